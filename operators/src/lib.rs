@@ -1,0 +1,12 @@
+//! Streaming operators for steamrf.
+//!
+//! Today this crate holds the micro-batching policy shared by every stage
+//! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
+//! it reaches `max_rows`, `max_bytes`, or has been open for `linger`.
+//! The STEAM write-path operators (formation, consolidation, communities)
+//! will live here too; per the architecture invariant this crate never depends
+//! on rdkafka, lancedb or axum.
+
+#![deny(missing_docs)]
+
+pub mod batch;

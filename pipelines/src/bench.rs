@@ -1,0 +1,242 @@
+//! `steamrf bench ingest`: events/s from Kafka into LanceDB, beside the raw
+//! group-consume rate of kcat on the same topic, measured in the same run.
+//!
+//! Both rates are measured from the first record seen to the last one
+//! handled, so the consumer-group join (seconds on some brokers) is excluded
+//! from both. For steamrf "handled" means durable in LanceDB *and* its offset
+//! committed; for kcat it means printed.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::pipeline::{self, RunOptions};
+
+/// Options of `steamrf bench ingest`.
+#[derive(Debug, Clone)]
+pub struct IngestBench {
+    /// Bootstrap servers.
+    pub brokers: String,
+    /// Events to produce and ingest.
+    pub events: u64,
+    /// Partitions of the bench topic.
+    pub partitions: i32,
+    /// The kcat binary.
+    pub kcat: PathBuf,
+    /// Base pipeline configuration (batching, LanceDB options); topic, group
+    /// and LanceDB directory are replaced by fresh ones.
+    pub config: Config,
+    /// LanceDB location; a temp dir when `None`.
+    pub lancedb_uri: Option<String>,
+}
+
+/// One ~200-byte click event.
+pub fn bench_event(i: u64) -> (String, String) {
+    let user = format!("user-{:06}", i % 100_000);
+    let payload = format!(
+        r#"{{"type":"click","schema_version":1,"event_id":"bench-{i:012}","timestamp":{},"user_id":"{user}","item_id":"item-{:07}","session_id":"session-{:010}-{:016x}","rating":4.0}}"#,
+        1_764_000_000_000u64 + i,
+        (i * 7919) % 1_000_000,
+        i / 20,
+        i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    );
+    (user, payload)
+}
+
+fn produce(brokers: &str, topic: &str, n: u64) -> Result<(f64, usize)> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "20")
+        .set("batch.size", "1000000")
+        .set("queue.buffering.max.messages", "1000000")
+        .set("queue.buffering.max.kbytes", "1048576")
+        .create()
+        .map_err(Error::kafka("creating the bench producer"))?;
+    let started = Instant::now();
+    let mut bytes = 0;
+    for i in 0..n {
+        let (key, payload) = bench_event(i);
+        bytes += payload.len();
+        let mut record = BaseRecord::to(topic).key(&key).payload(&payload);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(10));
+                }
+                Err((e, _)) => return Err(Error::kafka("producing bench events")(e)),
+            }
+        }
+        if i % 10_000 == 0 {
+            producer.poll(Duration::ZERO);
+        }
+    }
+    producer
+        .flush(Duration::from_secs(120))
+        .map_err(Error::kafka("flushing bench events"))?;
+    Ok((
+        n as f64 / started.elapsed().as_secs_f64(),
+        bytes / n.max(1) as usize,
+    ))
+}
+
+/// kcat's group-consume rate: records per second between the first and the
+/// last record it prints.
+fn kcat_rate(kcat: &PathBuf, brokers: &str, topic: &str, n: u64) -> Result<f64> {
+    let group = format!("{topic}-kcat");
+    let mut child = Command::new(kcat)
+        .args([
+            "-b",
+            brokers,
+            "-G",
+            &group,
+            "-X",
+            "auto.offset.reset=earliest",
+            "-X",
+            "session.timeout.ms=6000",
+        ])
+        .args(["-q", "-f", "%o\n", "-c", &n.to_string(), topic])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|source| Error::Io {
+            context: format!("running {}", kcat.display()),
+            source,
+        })?;
+    let stdout = child.stdout.take().ok_or_else(|| Error::Internal {
+        message: "no kcat stdout".into(),
+    })?;
+    let mut lines = BufReader::with_capacity(1 << 20, stdout).split(b'\n');
+    let mut first = None;
+    let mut count = 0u64;
+    while let Some(line) = lines.next() {
+        line.map_err(|source| Error::Io {
+            context: "reading kcat output".into(),
+            source,
+        })?;
+        first.get_or_insert_with(Instant::now);
+        count += 1;
+        if count == n {
+            break;
+        }
+    }
+    let last = Instant::now();
+    let _ = child.kill();
+    let _ = child.wait();
+    let first = first.ok_or_else(|| Error::Internal {
+        message: "kcat printed no records".into(),
+    })?;
+    if count < n {
+        return Err(Error::Internal {
+            message: format!("kcat consumed {count} of {n} records"),
+        });
+    }
+    Ok((n - 1) as f64 / last.duration_since(first).as_secs_f64())
+}
+
+/// Runs the benchmark and returns the output lines, the last one being the `RESULT` line.
+///
+/// # Errors
+/// Broker, kcat or pipeline failures.
+pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let stamp = chrono::Utc::now().format("%Y%m%d%H%M%S%3f");
+    let topic = format!("steamrf-bench-{stamp}");
+    crate::source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions).await?;
+    let (brokers, t, n) = (b.brokers.clone(), topic.clone(), b.events);
+    let (produce_rate, avg_bytes) = tokio::task::spawn_blocking(move || produce(&brokers, &t, n))
+        .await
+        .map_err(|e| Error::Internal {
+            message: e.to_string(),
+        })??;
+    out.push(format!("produced {n} click events of {avg_bytes} bytes on average into {topic} ({} partitions) at {produce_rate:.0}/s", b.partitions));
+
+    let (kcat, brokers, t) = (b.kcat.clone(), b.brokers.clone(), topic.clone());
+    let kcat_eps = tokio::task::spawn_blocking(move || kcat_rate(&kcat, &brokers, &t, n))
+        .await
+        .map_err(|e| Error::Internal {
+            message: e.to_string(),
+        })??;
+    out.push(format!(
+        "kcat (librdkafka group consumer, output to a pipe): {kcat_eps:.0} events/s"
+    ));
+
+    let dir = tempfile::tempdir().map_err(|source| Error::Io {
+        context: "temp dir".into(),
+        source,
+    })?;
+    let mut config = b.config;
+    config.kafka.brokers = b.brokers.clone();
+    config.kafka.topics = vec![topic.clone()];
+    config.kafka.group_id = format!("{topic}-steamrf");
+    config.kafka.dead_letter_topic = format!("{topic}-dlq");
+    config.lancedb.uri = b
+        .lancedb_uri
+        .unwrap_or_else(|| dir.path().to_string_lossy().into_owned());
+    let metrics = Metrics::new(&config.kafka.topics);
+    let stop = Arc::new(AtomicBool::new(false));
+    let policy = config.batch.policy();
+    let task = tokio::spawn(pipeline::run(
+        config.clone(),
+        RunOptions::default(),
+        metrics.clone(),
+        stop.clone(),
+    ));
+    let received = metrics.records_received.with_label_values(&[&topic]);
+    let mut first = None;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        if task.is_finished() {
+            break;
+        }
+        if first.is_none() && received.get() > 0 {
+            first = Some(Instant::now());
+        }
+        if metrics.records_committed.get() >= n {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Internal {
+                message: "steamrf did not ingest every event within 10 minutes".into(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let done = Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let summary = task.await.map_err(|e| Error::Internal {
+        message: e.to_string(),
+    })??;
+    let first = first.ok_or_else(|| Error::Internal {
+        message: "steamrf received nothing".into(),
+    })?;
+    let steamrf_eps = n as f64 / done.duration_since(first).as_secs_f64();
+    let rows = crate::sql::query(
+        &config.lancedb,
+        "SELECT count(*) AS n, count(DISTINCT event_id) AS d FROM interactions",
+    )
+    .await?;
+    let counts = arrow_cast::pretty::pretty_format_batches(&rows)?
+        .to_string()
+        .replace('\n', " ");
+    out.push(format!(
+        "steamrf (decode → Arrow → LanceDB merge_insert → commit; batches of ≤{} rows / {} bytes / {:?}): {steamrf_eps:.0} events/s; {} batches; table check: {counts}",
+        policy.max_rows, policy.max_bytes, policy.linger, summary.batches
+    ));
+    out.push(format!(
+        "RESULT ingest_events_per_s={steamrf_eps:.0} kcat_events_per_s={kcat_eps:.0} ratio={:.3}",
+        steamrf_eps / kcat_eps
+    ));
+    Ok(out)
+}

@@ -1,0 +1,603 @@
+//! Pipeline configuration: one TOML file, layered over built-in defaults and
+//! under environment overrides, validated with every problem reported at once.
+//!
+//! Layers, lowest first:
+//! 1. `default.toml` (compiled in);
+//! 2. the pipeline file;
+//! 3. environment variables `STEAMRF__SECTION__KEY=value`. Values parse as
+//!    TOML scalars or arrays when they can, else as strings. Under
+//!    `kafka.properties` and `lancedb.storage_options` the rest of the name is
+//!    lower-cased, and for Kafka `_` becomes `.`:
+//!    `STEAMRF__KAFKA__PROPERTIES__SASL_PASSWORD` sets `sasl.password`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer};
+use steamrf_operators::batch::BatchPolicy;
+use toml::{Table, Value};
+
+use crate::error::{Error, Result};
+
+const DEFAULT_TOML: &str = include_str!("default.toml");
+/// Prefix of environment overrides.
+pub const ENV_PREFIX: &str = "STEAMRF__";
+
+/// The whole pipeline configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The Kafka source and dead-letter sink.
+    pub kafka: KafkaConfig,
+    /// Micro-batching.
+    pub batch: BatchConfig,
+    /// The LanceDB sink.
+    pub lancedb: LanceDbConfig,
+}
+
+/// `[kafka]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// Bootstrap servers.
+    pub brokers: String,
+    /// Consumer group id.
+    pub group_id: String,
+    /// Topics to consume.
+    #[serde(deserialize_with = "string_list")]
+    pub topics: Vec<String>,
+    /// Dead-letter topic.
+    pub dead_letter_topic: String,
+    /// Create the dead-letter topic if missing.
+    pub create_dead_letter_topic: bool,
+    /// Payload size limit.
+    pub max_event_bytes: ByteSize,
+    /// librdkafka statistics interval (drives the lag gauge).
+    #[serde(with = "humantime_serde_compat")]
+    pub statistics_interval: Duration,
+    /// Pass-through librdkafka properties.
+    #[serde(deserialize_with = "string_map")]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// `[batch]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Flush at this many records.
+    pub max_rows: usize,
+    /// Flush at this many payload bytes.
+    pub max_bytes: ByteSize,
+    /// Flush when the oldest record has waited this long.
+    #[serde(with = "humantime_serde_compat")]
+    pub linger: Duration,
+    /// Batches queued between consumer and writer.
+    pub queue_batches: usize,
+}
+
+impl BatchConfig {
+    /// The micro-batching policy.
+    pub fn policy(&self) -> BatchPolicy {
+        BatchPolicy {
+            max_rows: self.max_rows,
+            max_bytes: self.max_bytes.0,
+            linger: self.linger,
+        }
+    }
+}
+
+/// `[lancedb]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LanceDbConfig {
+    /// Directory or object-store URI.
+    pub uri: String,
+    /// Compaction and version pruning interval (0 disables).
+    #[serde(with = "humantime_serde_compat")]
+    pub optimize_interval: Duration,
+    /// Object-store options.
+    #[serde(deserialize_with = "string_map")]
+    pub storage_options: BTreeMap<String, String>,
+}
+
+fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    ["password", "secret", "token", "key"]
+        .iter()
+        .any(|s| k.contains(s))
+        && !k.ends_with(".location")
+}
+
+fn redacted(map: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    map.iter()
+        .map(|(k, v)| {
+            (
+                k.as_str(),
+                if is_secret(k) {
+                    "<redacted>"
+                } else {
+                    v.as_str()
+                },
+            )
+        })
+        .collect()
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("group_id", &self.group_id)
+            .field("topics", &self.topics)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("create_dead_letter_topic", &self.create_dead_letter_topic)
+            .field("max_event_bytes", &self.max_event_bytes)
+            .field("statistics_interval", &self.statistics_interval)
+            .field("properties", &redacted(&self.properties))
+            .finish()
+    }
+}
+
+impl fmt::Debug for LanceDbConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LanceDbConfig")
+            .field("uri", &self.uri)
+            .field("optimize_interval", &self.optimize_interval)
+            .field("storage_options", &redacted(&self.storage_options))
+            .finish()
+    }
+}
+
+/// A size in bytes, written as an integer or as "16MiB", "512KiB", "1GB"...
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub usize);
+
+impl ByteSize {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let n: usize = num
+            .parse()
+            .map_err(|_| format!("{s:?} is not a byte size such as \"16MiB\""))?;
+        let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "kb" => 1_000,
+            "kib" => 1 << 10,
+            "mb" => 1_000_000,
+            "mib" => 1 << 20,
+            "gb" => 1_000_000_000,
+            "gib" => 1 << 30,
+            other => {
+                return Err(format!(
+                    "unknown byte unit {other:?} (use B, KiB, MiB, GiB, KB, MB, GB)"
+                ));
+            }
+        };
+        n.checked_mul(mult)
+            .map(Self)
+            .ok_or_else(|| format!("{s:?} is too large"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        match Value::deserialize(d)? {
+            Value::Integer(i) => usize::try_from(i)
+                .map(Self)
+                .map_err(|_| de::Error::custom("must not be negative")),
+            Value::String(s) => Self::parse(&s).map_err(de::Error::custom),
+            other => Err(de::Error::custom(format!(
+                "expected a byte size, found {}",
+                other.type_str()
+            ))),
+        }
+    }
+}
+
+mod humantime_serde_compat {
+    use super::*;
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> std::result::Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s)
+            .map_err(|e| de::Error::custom(format!("{s:?}: {e} (e.g. \"200ms\", \"5s\")")))
+    }
+}
+
+fn scalar_to_string(v: Value) -> std::result::Result<String, String> {
+    match v {
+        Value::String(s) => Ok(s),
+        Value::Integer(i) => Ok(i.to_string()),
+        Value::Float(f) => Ok(f.to_string()),
+        Value::Boolean(b) => Ok(b.to_string()),
+        other => Err(format!(
+            "expected a string, number or boolean, found {}",
+            other.type_str()
+        )),
+    }
+}
+
+fn string_map<'de, D: Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<BTreeMap<String, String>, D::Error> {
+    let t = Table::deserialize(d)?;
+    t.into_iter()
+        .map(|(k, v)| {
+            scalar_to_string(v)
+                .map(|v| (k.clone(), v))
+                .map_err(|e| de::Error::custom(format!("{k}: {e}")))
+        })
+        .collect()
+}
+
+fn string_list<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<String>, D::Error> {
+    match Value::deserialize(d)? {
+        Value::String(s) => Ok(s
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()),
+        Value::Array(a) => a
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                other => Err(de::Error::custom(format!(
+                    "expected strings, found {}",
+                    other.type_str()
+                ))),
+            })
+            .collect(),
+        other => Err(de::Error::custom(format!(
+            "expected a list of strings, found {}",
+            other.type_str()
+        ))),
+    }
+}
+
+/// Recursively merges `over` into `base`: tables merge, everything else replaces.
+fn merge(base: &mut Table, over: Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(Value::Table(b)), Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+fn parse_env_value(raw: &str) -> Value {
+    toml::from_str::<Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| Value::String(raw.to_owned()))
+}
+
+/// Sets `path` in `table`, creating tables on the way; a non-table in the way
+/// is replaced (the typed pass then reports the mismatch).
+fn set_path(table: &mut Table, path: &[String], value: Value) {
+    let Some((first, rest)) = path.split_first() else {
+        return;
+    };
+    if rest.is_empty() {
+        table.insert(first.clone(), value);
+        return;
+    }
+    let entry = table
+        .entry(first.clone())
+        .or_insert_with(|| Value::Table(Table::new()));
+    if !entry.is_table() {
+        *entry = Value::Table(Table::new());
+    }
+    if let Value::Table(t) = entry {
+        set_path(t, rest, value);
+    }
+}
+
+/// Applies `STEAMRF__...` variables to `table`.
+fn apply_env(table: &mut Table, vars: impl IntoIterator<Item = (String, String)>) {
+    for (name, raw) in vars {
+        let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        let parts: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+        let path: Vec<String> = match parts.as_slice() {
+            [section, map, key @ ..]
+                if !key.is_empty()
+                    && matches!(
+                        (section.as_str(), map.as_str()),
+                        ("kafka", "properties") | ("lancedb", "storage_options")
+                    ) =>
+            {
+                let key = key.join("_");
+                let key = if section == "kafka" {
+                    key.replace('_', ".")
+                } else {
+                    key
+                };
+                vec![section.clone(), map.clone(), key]
+            }
+            _ => parts,
+        };
+        set_path(table, &path, parse_env_value(&raw));
+    }
+}
+
+/// The merged configuration tree, before typing.
+fn layered(
+    file: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<Table, Vec<String>> {
+    let mut table: Table = toml::from_str(DEFAULT_TOML).expect("built-in default.toml parses");
+    if let Some(path) = file {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| vec![format!("{}: {e}", path.display())])?;
+        let over: Table =
+            toml::from_str(&text).map_err(|e| vec![format!("{}: {e}", path.display())])?;
+        merge(&mut table, over);
+    }
+    apply_env(&mut table, env);
+    Ok(table)
+}
+
+/// Checks the typed tree section by section, so one bad section does not hide
+/// problems in another.
+fn typed(table: Table) -> Result<Config, Vec<String>> {
+    let mut problems = Vec::new();
+    for k in table.keys() {
+        if !["kafka", "batch", "lancedb"].contains(&k.as_str()) {
+            problems.push(format!(
+                "unknown section `{k}` (expected kafka, batch, lancedb)"
+            ));
+        }
+    }
+    fn section<T: for<'de> Deserialize<'de>>(
+        table: &Table,
+        name: &str,
+        problems: &mut Vec<String>,
+    ) -> Option<T> {
+        let v = table
+            .get(name)
+            .cloned()
+            .unwrap_or(Value::Table(Table::new()));
+        match v.try_into::<T>() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                problems.push(format!("[{name}] {}", e.to_string().trim()));
+                None
+            }
+        }
+    }
+    let kafka = section::<KafkaConfig>(&table, "kafka", &mut problems);
+    let batch = section::<BatchConfig>(&table, "batch", &mut problems);
+    let lancedb = section::<LanceDbConfig>(&table, "lancedb", &mut problems);
+    match (kafka, batch, lancedb) {
+        (Some(kafka), Some(batch), Some(lancedb)) if problems.is_empty() => Ok(Config {
+            kafka,
+            batch,
+            lancedb,
+        }),
+        _ => Err(problems),
+    }
+}
+
+impl Config {
+    /// Loads defaults, the file (if any) and the process environment, and
+    /// validates the result.
+    ///
+    /// # Errors
+    /// [`Error::Config`] listing every problem found.
+    pub fn load(file: Option<&Path>) -> Result<Self> {
+        Self::load_with_env(file, std::env::vars())
+    }
+
+    /// As [`Config::load`], with an explicit environment (for tests).
+    ///
+    /// # Errors
+    /// [`Error::Config`] listing every problem found.
+    pub fn load_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self> {
+        let config = layered(file, env)
+            .and_then(typed)
+            .map_err(|problems| Error::Config { problems })?;
+        let problems = config.problems();
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(Error::Config { problems })
+        }
+    }
+
+    /// Semantic checks that serde cannot express. Empty when valid.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        let k = &self.kafka;
+        if k.brokers.trim().is_empty() {
+            p.push("kafka.brokers: must name at least one broker".to_owned());
+        }
+        if k.group_id.trim().is_empty() {
+            p.push("kafka.group_id: must not be empty".to_owned());
+        }
+        if k.topics.is_empty() {
+            p.push("kafka.topics: must name at least one topic".to_owned());
+        }
+        for t in &k.topics {
+            if !valid_topic(t) {
+                p.push(format!("kafka.topics: {t:?} is not a valid topic name ([a-zA-Z0-9._-], at most 249 chars)"));
+            }
+        }
+        if !valid_topic(&k.dead_letter_topic) {
+            p.push(format!(
+                "kafka.dead_letter_topic: {:?} is not a valid topic name",
+                k.dead_letter_topic
+            ));
+        }
+        if k.topics.contains(&k.dead_letter_topic) {
+            p.push("kafka.dead_letter_topic: must not be one of kafka.topics (dead letters would loop)".to_owned());
+        }
+        if k.max_event_bytes.0 == 0 {
+            p.push("kafka.max_event_bytes: must be > 0".to_owned());
+        }
+        for reserved in [
+            "enable.auto.commit",
+            "enable.auto.offset.store",
+            "group.id",
+            "bootstrap.servers",
+        ] {
+            if k.properties.contains_key(reserved) {
+                p.push(format!(
+                    "kafka.properties.{reserved}: set by steamrf itself (use kafka.brokers / kafka.group_id; offsets are committed after durable writes)"
+                ));
+            }
+        }
+        p.extend(crate::source::check_properties(&k.properties));
+        let b = &self.batch;
+        if b.max_rows == 0 {
+            p.push("batch.max_rows: must be > 0".to_owned());
+        }
+        if b.max_bytes.0 == 0 {
+            p.push("batch.max_bytes: must be > 0".to_owned());
+        }
+        if b.linger.is_zero() || b.linger > Duration::from_secs(3600) {
+            p.push("batch.linger: must be between 1ms and 1h".to_owned());
+        }
+        if b.queue_batches == 0 {
+            p.push("batch.queue_batches: must be > 0".to_owned());
+        }
+        let uri = self.lancedb.uri.trim();
+        if uri.is_empty() {
+            p.push("lancedb.uri: must not be empty".to_owned());
+        } else if let Some((scheme, _)) = uri.split_once("://")
+            && !["s3", "s3+ddb", "file", "memory"].contains(&scheme)
+        {
+            p.push(format!(
+                "lancedb.uri: scheme {scheme}:// is not supported by this build (use a directory, file://, or s3://)"
+            ));
+        }
+        p
+    }
+}
+
+fn valid_topic(t: &str) -> bool {
+    !t.is_empty()
+        && t.len() <= 249
+        && t != "."
+        && t != ".."
+        && t.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    fn problems(text: &str) -> Vec<String> {
+        let f = file(text);
+        match Config::load_with_env(Some(f.path()), []) {
+            Ok(_) => Vec::new(),
+            Err(Error::Config { problems }) => problems,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = Config::load_with_env(None, []).unwrap();
+        assert_eq!(c.kafka.topics, vec!["steamrf-events"]);
+        assert_eq!(c.batch.max_bytes, ByteSize(16 << 20));
+        assert_eq!(c.batch.linger, Duration::from_millis(200));
+        assert_eq!(c.kafka.properties["session.timeout.ms"], "6000");
+    }
+
+    #[test]
+    fn file_then_env_override() {
+        let f = file(
+            "[kafka]\ntopics = \"a, b\"\n[batch]\nmax_rows = 10\n[kafka.properties]\n\"fetch.min.bytes\" = 1\n",
+        );
+        let env = [
+            ("STEAMRF__BATCH__MAX_ROWS".to_owned(), "20".to_owned()),
+            (
+                "STEAMRF__KAFKA__PROPERTIES__SASL_PASSWORD".to_owned(),
+                "hunter2".to_owned(),
+            ),
+            (
+                "STEAMRF__LANCEDB__URI".to_owned(),
+                "s3://bucket/db".to_owned(),
+            ),
+            ("UNRELATED".to_owned(), "x".to_owned()),
+        ];
+        let c = Config::load_with_env(Some(f.path()), env).unwrap();
+        assert_eq!(c.kafka.topics, vec!["a", "b"]);
+        assert_eq!(c.batch.max_rows, 20);
+        assert_eq!(c.kafka.properties["fetch.min.bytes"], "1");
+        assert_eq!(c.kafka.properties["sasl.password"], "hunter2");
+        assert_eq!(c.lancedb.uri, "s3://bucket/db");
+        let dbg = format!("{c:?}");
+        assert!(
+            !dbg.contains("hunter2") && dbg.contains("<redacted>"),
+            "{dbg}"
+        );
+    }
+
+    #[test]
+    fn reports_every_problem_at_once() {
+        let p = problems(
+            "[kafka]\ntopics = []\ndead_letter_topic = \"bad topic\"\nbogus = 1\n\
+             [batch]\nmax_rows = 0\nlinger = \"soon\"\n\
+             [lancedb]\nuri = \"gs://x\"\n[extra]\n",
+        );
+        let all = p.join("\n");
+        assert!(all.contains("unknown section `extra`"), "{all}");
+        assert!(all.contains("[kafka]") && all.contains("bogus"), "{all}");
+        assert!(all.contains("[batch]") && all.contains("soon"), "{all}");
+        // Semantic checks run only on a well-typed tree; the structural ones above all came together.
+        assert!(p.len() >= 3, "{all}");
+        let p = problems(
+            "[kafka]\ntopics = []\ndead_letter_topic = \"bad topic\"\n[batch]\nmax_rows = 0\n[lancedb]\nuri = \"gs://x\"\n[kafka.properties]\n\"no.such.property\" = \"1\"\n\"enable.auto.commit\" = \"true\"\n",
+        );
+        let all = p.join("\n");
+        for needle in [
+            "kafka.topics: must name at least one topic",
+            "kafka.dead_letter_topic",
+            "batch.max_rows",
+            "lancedb.uri: scheme gs://",
+            "no.such.property",
+            "enable.auto.commit",
+        ] {
+            assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
+        }
+    }
+
+    #[test]
+    fn docs_carry_the_current_defaults() {
+        let docs = include_str!("../../docs/config.md");
+        assert!(
+            docs.contains(DEFAULT_TOML),
+            "docs/config.md is stale: paste pipelines/src/default.toml into it"
+        );
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(ByteSize::parse("16MiB"), Ok(ByteSize(16 << 20)));
+        assert_eq!(ByteSize::parse("1 KB"), Ok(ByteSize(1000)));
+        assert_eq!(ByteSize::parse("42"), Ok(ByteSize(42)));
+        assert!(ByteSize::parse("12 parsecs").is_err());
+        assert!(ByteSize::parse("MiB").is_err());
+    }
+}

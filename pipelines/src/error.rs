@@ -1,0 +1,130 @@
+//! The pipeline's error type.
+
+use std::time::Duration;
+
+/// Where an error comes from, for retry decisions and the `error_type` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Bad configuration: fix the file, retrying will not help.
+    Config,
+    /// A dependency (Kafka, LanceDB, the object store) failed.
+    External,
+    /// A bug in steamrf.
+    Internal,
+}
+
+impl ErrorKind {
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Config => "config",
+            Self::External => "external",
+            Self::Internal => "internal",
+        }
+    }
+}
+
+/// Errors of the ingest pipeline, the SQL command and the benchmarks.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration is invalid; every problem is listed.
+    #[error("invalid configuration:\n  - {}", .problems.join("\n  - "))]
+    Config {
+        /// One line per problem.
+        problems: Vec<String>,
+    },
+    /// A Kafka operation failed.
+    #[error("kafka: {context}")]
+    Kafka {
+        /// What steamrf was doing.
+        context: String,
+        /// The client error.
+        #[source]
+        source: rdkafka::error::KafkaError,
+    },
+    /// A LanceDB operation failed.
+    #[error("lancedb: {context}")]
+    Lance {
+        /// What steamrf was doing.
+        context: String,
+        /// The LanceDB error.
+        #[source]
+        source: Box<lancedb::Error>,
+    },
+    /// Arrow rejected a batch.
+    #[error("arrow: {0}")]
+    Arrow(#[from] arrow_schema::ArrowError),
+    /// A SQL query failed.
+    #[error("sql: {0}")]
+    Sql(#[from] Box<datafusion::error::DataFusionError>),
+    /// A file or socket operation failed.
+    #[error("{context}")]
+    Io {
+        /// What steamrf was doing.
+        context: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A bug.
+    #[error("internal error: {message}")]
+    Internal {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// The error's domain.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Config { .. } => ErrorKind::Config,
+            Self::Kafka { .. } | Self::Lance { .. } | Self::Io { .. } => ErrorKind::External,
+            Self::Arrow(_) | Self::Sql(_) | Self::Internal { .. } => ErrorKind::Internal,
+        }
+    }
+
+    /// Whether retrying the same operation may succeed.
+    pub fn retryable(&self) -> bool {
+        match self {
+            Self::Kafka { .. } | Self::Io { .. } => true,
+            Self::Lance { source, .. } => !matches!(
+                **source,
+                lancedb::Error::InvalidInput { .. }
+                    | lancedb::Error::InvalidTableName { .. }
+                    | lancedb::Error::Schema { .. }
+            ),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn lance(context: impl Into<String>) -> impl FnOnce(lancedb::Error) -> Self {
+        let context = context.into();
+        move |source| Self::Lance {
+            context,
+            source: Box::new(source),
+        }
+    }
+
+    pub(crate) fn kafka(
+        context: impl Into<String>,
+    ) -> impl FnOnce(rdkafka::error::KafkaError) -> Self {
+        let context = context.into();
+        move |source| Self::Kafka { context, source }
+    }
+}
+
+impl From<datafusion::error::DataFusionError> for Error {
+    fn from(e: datafusion::error::DataFusionError) -> Self {
+        Self::Sql(Box::new(e))
+    }
+}
+
+/// Exponential backoff for retryable errors: 100 ms doubling to 10 s.
+pub(crate) fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(100u64.saturating_mul(1 << attempt.min(7))).min(Duration::from_secs(10))
+}

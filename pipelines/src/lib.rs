@@ -1,0 +1,21 @@
+//! steamrf's pipelines: the Kafka source, the LanceDB sink, SQL over the
+//! tables, the metrics endpoint, and the benchmarks. The `steamrf` binary
+//! (`main.rs`) is a thin CLI over this library.
+//!
+//! Entry point: [`pipeline::run`].
+
+#![deny(missing_docs)]
+
+pub mod bench;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod pipeline;
+pub mod sink;
+pub mod source;
+pub mod sql;
+
+pub use config::Config;
+pub use error::{Error, ErrorKind, Result};
+pub use metrics::Metrics;

@@ -1,0 +1,203 @@
+//! The `steamrf` binary: a thin CLI over `steamrf_pipelines`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use steamrf_pipelines::pipeline::{self, RunOptions};
+use steamrf_pipelines::{Config, Error, Metrics, bench, sql};
+
+#[derive(Parser)]
+#[command(
+    name = "steamrf",
+    version,
+    about = "Turns Kafka user events into agent memory tables in LanceDB."
+)]
+struct Cli {
+    /// Log filter (tracing EnvFilter syntax), e.g. "info" or "steamrf_pipelines=debug".
+    #[arg(long, env = "STEAMRF_LOG", default_value = "info", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the ingest pipeline until SIGTERM (drains, writes, commits, exits 0).
+    Run {
+        /// Pipeline configuration (TOML). Defaults apply without one.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+        /// Serve /metrics, /healthz and /readyz here.
+        #[arg(long, env = "STEAMRF_METRICS_ADDR", default_value = "127.0.0.1:9464")]
+        metrics_addr: SocketAddr,
+        /// Stop after this long without records (once partitions are assigned).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        exit_when_idle: Option<Duration>,
+    },
+    /// Check a configuration file (with defaults and environment applied) and report every problem.
+    Validate {
+        /// The file to check.
+        config: PathBuf,
+    },
+    /// Run SQL (DataFusion) over the LanceDB tables the pipeline wrote.
+    Sql {
+        /// The query, e.g. "SELECT kind, count(*) FROM interactions GROUP BY kind".
+        query: String,
+        /// Pipeline configuration, for lancedb.uri.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Events/s from Kafka into LanceDB, beside kcat's raw group-consume rate on the same topic.
+    Ingest {
+        /// Click events to produce and ingest.
+        #[arg(long, default_value_t = 1_000_000)]
+        events: u64,
+        /// Partitions of the bench topic.
+        #[arg(long, default_value_t = 4)]
+        partitions: i32,
+        /// Bootstrap servers.
+        #[arg(long, default_value = "127.0.0.1:9092")]
+        brokers: String,
+        /// The kcat binary (needs librdkafka >= 2.12 for Tansu; scripts/tools.sh installs a wrapper).
+        #[arg(long, default_value = ".tools/bin/kcat")]
+        kcat: PathBuf,
+        /// Base configuration for batching (topic, group and table location are fresh).
+        #[arg(short, long)]
+        config: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: starting the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(real_main(cli.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            let config_error = e
+                .downcast_ref::<Error>()
+                .is_some_and(|e| matches!(e, Error::Config { .. }));
+            ExitCode::from(if config_error { 2 } else { 1 })
+        }
+    }
+}
+
+async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        Cmd::Run {
+            config,
+            metrics_addr,
+            exit_when_idle,
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let metrics = Metrics::new(&config.kafka.topics);
+            let stop = Arc::new(AtomicBool::new(false));
+            let signals = tokio::spawn(wait_for_signals(stop.clone()));
+            let opts = RunOptions {
+                metrics_addr: Some(metrics_addr),
+                exit_when_idle,
+            };
+            let result = pipeline::run(config, opts, metrics, stop).await;
+            signals.abort();
+            result?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Validate { config } => match Config::load(Some(&config)) {
+            Ok(c) => {
+                println!("{}: ok", config.display());
+                println!("{c:#?}");
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(Error::Config { problems }) => {
+                eprintln!("{}: {} problem(s)", config.display(), problems.len());
+                for p in problems {
+                    eprintln!("  - {p}");
+                }
+                Ok(ExitCode::from(2))
+            }
+            Err(e) => Err(e.into()),
+        },
+        Cmd::Sql { query, config } => {
+            let config = Config::load(config.as_deref())?;
+            let batches = sql::query(&config.lancedb, &query).await?;
+            println!("{}", arrow_cast::pretty::pretty_format_batches(&batches)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Ingest {
+                    events,
+                    partitions,
+                    brokers,
+                    kcat,
+                    config,
+                },
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let lines = bench::ingest(bench::IngestBench {
+                brokers,
+                events,
+                partitions,
+                kcat,
+                config,
+                lancedb_uri: None,
+            })
+            .await
+            .context("bench ingest")?;
+            for l in lines {
+                println!("{l}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// SIGTERM or SIGINT: drain and stop. A second one exits at once.
+async fn wait_for_signals(stop: Arc<AtomicBool>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::warn!("Could not install signal handlers.");
+        return;
+    };
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    tracing::info!("Signal received; draining.");
+    stop.store(true, Ordering::Relaxed);
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    tracing::warn!(
+        "Second signal; exiting without draining (nothing uncommitted is lost: it will be replayed)."
+    );
+    std::process::exit(130);
+}

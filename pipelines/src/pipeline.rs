@@ -1,0 +1,265 @@
+//! Wires the ingest pipeline: Kafka source thread → bounded queue → LanceDB
+//! writer → offset commit.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use steamrf_operators::batch::BatchTracker;
+use tokio::sync::mpsc;
+
+use crate::config::Config;
+use crate::error::{Error, Result, backoff};
+use crate::metrics::Metrics;
+use crate::sink::LanceSink;
+use crate::source::{self, KafkaConsumer, SourceBatch, SourceLoop};
+
+/// How many times a retryable write is attempted before the pipeline stops.
+const WRITE_ATTEMPTS: u32 = 8;
+
+/// Run-time options that are not pipeline configuration.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Serve `/metrics`, `/healthz`, `/readyz` here.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Stop by itself after this long without records once partitions are assigned.
+    pub exit_when_idle: Option<Duration>,
+}
+
+/// What a finished run did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunSummary {
+    /// Records whose offsets were committed (valid and dead-lettered).
+    pub records: u64,
+    /// Rows inserted or updated.
+    pub rows_written: u64,
+    /// Batches written.
+    pub batches: u64,
+}
+
+/// Runs the pipeline until `stop` is set (or the idle timeout fires), then
+/// drains: flushes the open batch, writes it, waits for dead letters, commits
+/// synchronously, and returns.
+///
+/// # Errors
+/// Start-up failures (configuration, broker, LanceDB) and writes that still
+/// fail after retries. Nothing unwritten is ever committed, so a restart
+/// replays from the last durable point.
+pub async fn run(
+    config: Config,
+    opts: RunOptions,
+    metrics: Metrics,
+    stop: Arc<AtomicBool>,
+) -> Result<RunSummary> {
+    let ready = Arc::new(AtomicBool::new(false));
+    let server = match opts.metrics_addr {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Io {
+                    context: format!("binding the metrics address {addr}"),
+                    source,
+                })?;
+            tracing::info!(addr = %listener.local_addr().map_err(|source| Error::Io { context: "metrics address".into(), source })?, "Serving /metrics.");
+            Some(tokio::spawn(crate::http::serve(
+                listener,
+                metrics.clone(),
+                ready.clone(),
+            )))
+        }
+        None => None,
+    };
+    let result = run_inner(config, opts, metrics, stop, ready).await;
+    if let Some(s) = server {
+        s.abort();
+    }
+    result
+}
+
+async fn run_inner(
+    config: Config,
+    opts: RunOptions,
+    metrics: Metrics,
+    stop: Arc<AtomicBool>,
+    ready: Arc<AtomicBool>,
+) -> Result<RunSummary> {
+    let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
+    if config.kafka.create_dead_letter_topic {
+        source::ensure_topic(
+            &config.kafka.brokers,
+            &config.kafka.properties,
+            &config.kafka.dead_letter_topic,
+            1,
+        )
+        .await?;
+    }
+    let consumer = source::consumer(&config.kafka, &metrics)?;
+    let producer = source::dead_letter_producer(&config.kafka)?;
+    ready.store(true, Ordering::Relaxed);
+    tracing::info!(topics = ?config.kafka.topics, group = %config.kafka.group_id, uri = %config.lancedb.uri, "Pipeline started.");
+
+    let (tx, mut rx) = mpsc::channel::<SourceBatch>(config.batch.queue_batches);
+    let source_loop = SourceLoop {
+        consumer: consumer.clone(),
+        producer,
+        config: config.kafka.clone(),
+        tracker: BatchTracker::new(config.batch.policy()),
+        metrics: metrics.clone(),
+        stop: stop.clone(),
+        exit_when_idle: opts.exit_when_idle,
+    };
+    let source_thread = std::thread::Builder::new()
+        .name("steamrf-source".into())
+        .spawn(move || source_loop.run(&tx))
+        .map_err(|source| Error::Io {
+            context: "spawning the source thread".into(),
+            source,
+        })?;
+
+    let mut summary = RunSummary::default();
+    let mut committed: HashMap<(String, i32), i64> = HashMap::new();
+    let mut last_optimize = Instant::now();
+    let optimize_every = config.lancedb.optimize_interval;
+    let written = loop {
+        let Some(batch) = rx.recv().await else {
+            break Ok(());
+        };
+        metrics.queue_depth.dec();
+        if let Err(e) = write_batch(
+            &sink,
+            &consumer,
+            &metrics,
+            batch,
+            &mut committed,
+            &mut summary,
+        )
+        .await
+        {
+            break Err(e);
+        }
+        if !optimize_every.is_zero() && last_optimize.elapsed() >= optimize_every {
+            last_optimize = Instant::now();
+            if let Err(e) = sink.optimize().await {
+                // Compaction is housekeeping: log, count, and carry on.
+                tracing::warn!(error = %e, "Table optimisation failed.");
+                metrics.error("sink", &e);
+            }
+        }
+    };
+    // Unblock and stop the source whatever happened, then collect its result.
+    stop.store(true, Ordering::Relaxed);
+    drop(rx);
+    let source_result = tokio::task::spawn_blocking(move || source_thread.join())
+        .await
+        .map_err(|e| Error::Internal {
+            message: format!("joining the source thread: {e}"),
+        })?
+        .map_err(|_| Error::Internal {
+            message: "the source thread panicked".into(),
+        })?;
+    written?;
+    source_result?;
+    // Re-commit the final positions synchronously before leaving the group.
+    if !committed.is_empty() {
+        let tpl = offsets_list(committed.iter().map(|((t, p), o)| (t.as_str(), *p, *o)))?;
+        if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
+            tracing::warn!(error = %e, "Final synchronous commit failed; the last batch may be replayed (writes are idempotent).");
+        }
+    }
+    tracing::info!(
+        records = summary.records,
+        rows = summary.rows_written,
+        batches = summary.batches,
+        "Pipeline drained and stopped."
+    );
+    Ok(summary)
+}
+
+fn offsets_list<'a>(
+    offsets: impl Iterator<Item = (&'a str, i32, i64)>,
+) -> Result<TopicPartitionList> {
+    let mut tpl = TopicPartitionList::new();
+    for (t, p, o) in offsets {
+        tpl.add_partition_offset(t, p, Offset::Offset(o))
+            .map_err(Error::kafka("building the commit list"))?;
+    }
+    Ok(tpl)
+}
+
+async fn write_batch(
+    sink: &LanceSink,
+    consumer: &KafkaConsumer,
+    metrics: &Metrics,
+    batch: SourceBatch,
+    committed: &mut HashMap<(String, i32), i64>,
+    summary: &mut RunSummary,
+) -> Result<()> {
+    for (table, rows) in batch.tables.iter() {
+        let mut attempt = 0;
+        let stats = loop {
+            match sink.write(table, rows).await {
+                Ok(s) => break s,
+                Err(e) if e.retryable() && attempt + 1 < WRITE_ATTEMPTS => {
+                    metrics.error("sink", &e);
+                    let wait = backoff(attempt);
+                    tracing::warn!(table = table.as_str(), attempt, error = %e, ?wait, "Write failed; retrying.");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                Err(e) => {
+                    metrics.error("sink", &e);
+                    return Err(e);
+                }
+            }
+        };
+        summary.rows_written += stats.inserted + stats.updated;
+    }
+    for f in batch.dead_letters {
+        match f.await {
+            Ok(Ok(_)) => {}
+            Ok(Err((e, _))) => return Err(Error::kafka("delivering a dead letter")(e)),
+            Err(_) => {
+                return Err(Error::Internal {
+                    message: "dead-letter producer dropped".into(),
+                });
+            }
+        }
+    }
+    // Commit only partitions we still own: after a rebalance the new owner
+    // re-reads from the last commit, and our writes were idempotent anyway.
+    let assignment = consumer
+        .assignment()
+        .map_err(Error::kafka("reading the assignment"))?;
+    let owned: Vec<_> = batch
+        .offsets
+        .iter()
+        .filter(|(t, p, _)| assignment.find_partition(t, *p).is_some())
+        .map(|(t, p, o)| (t.as_str(), *p, *o))
+        .collect();
+    if !owned.is_empty() {
+        let tpl = offsets_list(owned.iter().copied())?;
+        match consumer.commit(&tpl, CommitMode::Async) {
+            Ok(()) => {
+                metrics.commits.with_label_values(&["ok"]).inc();
+                for (t, p, o) in owned {
+                    committed.insert((t.to_owned(), p), o);
+                }
+            }
+            Err(e) => {
+                metrics.commits.with_label_values(&["error"]).inc();
+                tracing::warn!(error = %e, "Offset commit failed; the batch may be replayed (writes are idempotent).");
+            }
+        }
+    }
+    summary.records += batch.records as u64;
+    summary.batches += 1;
+    metrics.records_committed.inc_by(batch.records as u64);
+    metrics
+        .batch_latency
+        .observe(batch.opened_at.elapsed().as_secs_f64());
+    Ok(())
+}

@@ -1,0 +1,385 @@
+//! The LanceDB sink: opens or creates the tables and writes micro-batches
+//! idempotently.
+//!
+//! - `interactions`: insert-if-absent on `event_id` (a replayed or duplicated
+//!   event adds nothing);
+//! - `items`, `profiles`: upsert on the entity key, where a row replaces the
+//!   stored one only if it is newer by `(timestamp, event_id)`, so replays and
+//!   out-of-order delivery converge to the same table.
+//!
+//! Each `write` is one LanceDB commit: when it returns, the rows are durable.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::TimestampMillisecondType;
+use arrow_array::{RecordBatch, RecordBatchIterator, UInt32Array};
+use lancedb::table::OptimizeAction;
+use lancedb::{Connection, Table};
+use steamrf_schemas::TableName;
+
+use crate::config::LanceDbConfig;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+
+/// Opens a LanceDB connection with the configured storage options.
+///
+/// # Errors
+/// [`Error::Lance`] if the URI cannot be opened.
+pub async fn connect(cfg: &LanceDbConfig) -> Result<Connection> {
+    let mut b = lancedb::connect(&cfg.uri);
+    for (k, v) in &cfg.storage_options {
+        b = b.storage_option(k, v);
+    }
+    b.execute()
+        .await
+        .map_err(Error::lance(format!("connecting to {}", cfg.uri)))
+}
+
+/// Opens `name`, creating it with `schema` if it does not exist; fails if it
+/// exists with another schema.
+///
+/// # Errors
+/// [`Error::Lance`] on storage errors, [`Error::Config`] on a schema mismatch.
+pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
+    let expected = name.schema();
+    let table = match db.open_table(name.as_str()).execute().await {
+        Ok(t) => t,
+        Err(lancedb::Error::TableNotFound { .. }) => {
+            match db
+                .create_empty_table(name.as_str(), expected.clone())
+                .execute()
+                .await
+            {
+                Ok(t) => t,
+                // Another instance created it first.
+                Err(lancedb::Error::TableAlreadyExists { .. }) => db
+                    .open_table(name.as_str())
+                    .execute()
+                    .await
+                    .map_err(Error::lance(format!("opening {}", name.as_str())))?,
+                Err(e) => return Err(Error::lance(format!("creating {}", name.as_str()))(e)),
+            }
+        }
+        Err(e) => return Err(Error::lance(format!("opening {}", name.as_str()))(e)),
+    };
+    let actual = table
+        .schema()
+        .await
+        .map_err(Error::lance("reading the schema"))?;
+    let names = |s: &arrow_schema::Schema| {
+        s.fields()
+            .iter()
+            .map(|f| (f.name().clone(), f.data_type().clone()))
+            .collect::<Vec<_>>()
+    };
+    if names(&actual) != names(&expected) {
+        return Err(Error::Config {
+            problems: vec![format!(
+                "table {} exists with a different schema than this build writes; migrate or point lancedb.uri elsewhere.\n    found:    {:?}\n    expected: {:?}",
+                name.as_str(),
+                names(&actual),
+                names(&expected)
+            )],
+        });
+    }
+    Ok(table)
+}
+
+/// The outcome of one table write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WriteStats {
+    /// New rows.
+    pub inserted: u64,
+    /// Rows replaced by newer versions.
+    pub updated: u64,
+    /// Rows in the batch that changed nothing (already present, or older).
+    pub skipped: u64,
+    /// Table version after the write.
+    pub version: u64,
+}
+
+/// Writes micro-batches into the three ingest tables.
+#[derive(Clone)]
+pub struct LanceSink {
+    tables: Arc<HashMap<TableName, Table>>,
+    metrics: Metrics,
+}
+
+impl LanceSink {
+    /// Opens (or creates) every table.
+    ///
+    /// # Errors
+    /// See [`open_or_create`].
+    pub async fn open(cfg: &LanceDbConfig, metrics: Metrics) -> Result<Self> {
+        let db = connect(cfg).await?;
+        let mut tables = HashMap::new();
+        for t in TableName::ALL {
+            tables.insert(t, open_or_create(&db, t).await?);
+        }
+        Ok(Self {
+            tables: Arc::new(tables),
+            metrics,
+        })
+    }
+
+    fn table(&self, t: TableName) -> &Table {
+        &self.tables[&t]
+    }
+
+    /// Writes one batch durably and idempotently (see the module docs).
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if the commit fails; nothing is then committed to Kafka.
+    pub async fn write(&self, name: TableName, batch: &RecordBatch) -> Result<WriteStats> {
+        let started = Instant::now();
+        let batch = dedup(name, batch)?;
+        let in_rows = batch.num_rows() as u64;
+        let table = self.table(name);
+        let mut merge = table.merge_insert(&[name.key()]);
+        match name {
+            TableName::Interactions => {
+                merge.when_not_matched_insert_all();
+            }
+            TableName::Items | TableName::Profiles => {
+                merge
+                    .when_matched_update_all(Some(
+                        "target.timestamp < source.timestamp OR (target.timestamp = source.timestamp AND target.event_id < source.event_id)".into(),
+                    ))
+                    .when_not_matched_insert_all();
+            }
+        }
+        let schema = batch.schema();
+        let reader = RecordBatchIterator::new([Ok(batch)], schema);
+        let r = merge
+            .execute(Box::new(reader))
+            .await
+            .map_err(Error::lance(format!("writing {}", name.as_str())))?;
+        let stats = WriteStats {
+            inserted: r.num_inserted_rows,
+            updated: r.num_updated_rows,
+            skipped: in_rows.saturating_sub(r.num_inserted_rows + r.num_updated_rows),
+            version: r.version,
+        };
+        let label = [name.as_str()];
+        self.metrics
+            .rows_written
+            .with_label_values(&label)
+            .inc_by(stats.inserted + stats.updated);
+        self.metrics
+            .rows_deduplicated
+            .with_label_values(&label)
+            .inc_by(stats.skipped);
+        self.metrics
+            .write_duration
+            .with_label_values(&label)
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .table_version
+            .with_label_values(&label)
+            .set(i64::try_from(stats.version).unwrap_or(i64::MAX));
+        Ok(stats)
+    }
+
+    /// Compacts every table and prunes old versions.
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if an optimisation fails.
+    pub async fn optimize(&self) -> Result<()> {
+        for (name, table) in self.tables.iter() {
+            table
+                .optimize(OptimizeAction::All)
+                .await
+                .map_err(Error::lance(format!("optimizing {}", name.as_str())))?;
+            self.metrics
+                .optimizations
+                .with_label_values(&[name.as_str()])
+                .inc();
+        }
+        Ok(())
+    }
+}
+
+/// Removes rows whose key repeats within the batch: for interactions the
+/// first occurrence stays; for items and profiles the newest by
+/// `(timestamp, event_id)`. merge_insert requires unique source keys.
+fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch> {
+    let col = |n: &str| {
+        batch.column_by_name(n).ok_or_else(|| Error::Internal {
+            message: format!("batch for {} lacks {n}", name.as_str()),
+        })
+    };
+    let keys = col(name.key())?.as_string::<i32>();
+    let mut keep: HashMap<&str, u32> = HashMap::with_capacity(batch.num_rows());
+    match name {
+        TableName::Interactions => {
+            for (i, k) in keys.iter().enumerate() {
+                keep.entry(k.unwrap_or_default()).or_insert(i as u32);
+            }
+        }
+        TableName::Items | TableName::Profiles => {
+            let ts = col("timestamp")?.as_primitive::<TimestampMillisecondType>();
+            let ids = col("event_id")?.as_string::<i32>();
+            let rank = |i: usize| (ts.value(i), ids.value(i));
+            for (i, k) in keys.iter().enumerate() {
+                match keep.entry(k.unwrap_or_default()) {
+                    Entry::Vacant(v) => {
+                        v.insert(i as u32);
+                    }
+                    Entry::Occupied(mut o) => {
+                        if rank(i) > rank(*o.get() as usize) {
+                            o.insert(i as u32);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if keep.len() == batch.num_rows() {
+        return Ok(batch.clone());
+    }
+    let mut idx: Vec<u32> = keep.into_values().collect();
+    idx.sort_unstable();
+    Ok(arrow_select::take::take_record_batch(
+        batch,
+        &UInt32Array::from(idx),
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use steamrf_schemas::{Provenance, TableBuilders, decode};
+
+    fn batches(events: &[String]) -> steamrf_schemas::TableBatches {
+        let mut b = TableBuilders::default();
+        for (i, e) in events.iter().enumerate() {
+            let ev = decode(e.as_bytes()).unwrap();
+            b.append(
+                &ev,
+                Provenance {
+                    partition: 0,
+                    offset: i as i64,
+                    ingested_at_ms: 0,
+                },
+            );
+        }
+        b.finish().unwrap()
+    }
+
+    fn click(id: &str) -> String {
+        format!(
+            r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":1000,"user_id":"u","item_id":"i"}}"#
+        )
+    }
+
+    fn item(event: &str, ts: i64, title: &str) -> String {
+        format!(
+            r#"{{"type":"item","schema_version":1,"event_id":"{event}","timestamp":{ts},"item_id":"i1","title":"{title}"}}"#
+        )
+    }
+
+    async fn sink() -> (tempfile::TempDir, LanceSink) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::config::Config::load_with_env(None, [])
+            .unwrap()
+            .lancedb;
+        let cfg = LanceDbConfig {
+            uri: dir.path().to_str().unwrap().to_owned(),
+            ..cfg
+        };
+        let sink = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        (dir, sink)
+    }
+
+    async fn count(s: &LanceSink, t: TableName) -> usize {
+        s.table(t).count_rows(None).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn interactions_are_idempotent_by_event_id() {
+        let (_dir, s) = sink().await;
+        let b = batches(&[click("a"), click("b"), click("a")]);
+        let batch = b.interactions.unwrap();
+        let first = s.write(TableName::Interactions, &batch).await.unwrap();
+        assert_eq!(
+            (first.inserted, first.skipped),
+            (2, 0),
+            "the in-batch duplicate is dropped before the merge"
+        );
+        let replay = s.write(TableName::Interactions, &batch).await.unwrap();
+        assert_eq!((replay.inserted, replay.updated, replay.skipped), (0, 0, 2));
+        assert_eq!(count(&s, TableName::Interactions).await, 2);
+        let more = batches(&[click("b"), click("c")]).interactions.unwrap();
+        s.write(TableName::Interactions, &more).await.unwrap();
+        assert_eq!(count(&s, TableName::Interactions).await, 3);
+        assert_eq!(s.metrics.total_rows_written(), 3);
+    }
+
+    #[tokio::test]
+    async fn items_upsert_newest_wins_and_replays_converge() {
+        let (_dir, s) = sink().await;
+        let v2 = batches(&[item("e2", 2000, "New title")]).items.unwrap();
+        let v1 = batches(&[item("e1", 1000, "Old title")]).items.unwrap();
+        s.write(TableName::Items, &v2).await.unwrap();
+        // An older version arriving late changes nothing; a replay of v2 neither.
+        let late = s.write(TableName::Items, &v1).await.unwrap();
+        assert_eq!((late.inserted, late.updated), (0, 0));
+        let replay = s.write(TableName::Items, &v2).await.unwrap();
+        assert_eq!((replay.inserted, replay.updated), (0, 0));
+        let v3 = batches(&[item("e3", 3000, "Newest"), item("e0", 500, "Ancient")])
+            .items
+            .unwrap();
+        let up = s.write(TableName::Items, &v3).await.unwrap();
+        assert_eq!(
+            (up.inserted, up.updated),
+            (0, 1),
+            "within a batch the newest row is kept"
+        );
+        assert_eq!(count(&s, TableName::Items).await, 1);
+        let rows = crate::sql::query_table(s.table(TableName::Items), "SELECT title FROM t")
+            .await
+            .unwrap();
+        let titles = arrow_cast::pretty::pretty_format_batches(&rows)
+            .unwrap()
+            .to_string();
+        assert!(titles.contains("Newest"), "{titles}");
+    }
+
+    #[tokio::test]
+    async fn reopening_checks_the_schema() {
+        let (dir, s) = sink().await;
+        drop(s);
+        let cfg = crate::config::Config::load_with_env(None, [])
+            .unwrap()
+            .lancedb;
+        let cfg = LanceDbConfig {
+            uri: dir.path().to_str().unwrap().to_owned(),
+            ..cfg
+        };
+        LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let db = connect(&cfg).await.unwrap();
+        db.drop_table("profiles", &[]).await.unwrap();
+        let wrong = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+            "user_id",
+            arrow_schema::DataType::Utf8,
+            false,
+        )]));
+        db.create_empty_table("profiles", wrong)
+            .execute()
+            .await
+            .unwrap();
+        let err = LanceSink::open(&cfg, Metrics::new(&[]))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string()
+                .contains("table profiles exists with a different schema"),
+            "{err}"
+        );
+    }
+}

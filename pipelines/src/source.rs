@@ -1,0 +1,476 @@
+//! The Kafka source: a consumer-group member that polls on its own thread,
+//! decodes payloads into Arrow builders, dead-letters what it cannot decode,
+//! and hands micro-batches to the writer through a bounded queue.
+//!
+//! Offsets are never auto-committed. Each [`SourceBatch`] carries the next
+//! offset per partition it covers; the writer commits them after LanceDB has
+//! acknowledged the write and the dead letters are acknowledged by Kafka.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::Message;
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::statistics::Statistics;
+use steamrf_operators::batch::{BatchTracker, FlushReason};
+use steamrf_schemas::{DecodeError, Provenance, TableBatches, TableBuilders, decode};
+use tokio::sync::mpsc;
+
+use crate::config::KafkaConfig;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+
+/// Dead-letter header names.
+pub mod headers {
+    /// The error kind (`invalid_json`, `missing_field`, ...).
+    pub const KIND: &str = "steamrf-error-kind";
+    /// The offending field, empty when the payload as a whole is at fault.
+    pub const FIELD: &str = "steamrf-error-field";
+    /// The full error message.
+    pub const REASON: &str = "steamrf-error-reason";
+    /// Source topic.
+    pub const TOPIC: &str = "steamrf-source-topic";
+    /// Source partition.
+    pub const PARTITION: &str = "steamrf-source-partition";
+    /// Source offset.
+    pub const OFFSET: &str = "steamrf-source-offset";
+}
+
+/// One micro-batch on its way to the writer.
+pub struct SourceBatch {
+    /// Rows per table.
+    pub tables: TableBatches,
+    /// Next offset to commit, per (topic, partition).
+    pub offsets: Vec<(String, i32, i64)>,
+    /// Dead letters that must be acknowledged before the offsets are committed.
+    pub dead_letters: Vec<DeliveryFuture>,
+    /// Records (valid and malformed) covered.
+    pub records: usize,
+    /// Payload bytes covered.
+    pub bytes: usize,
+    /// When the first record was polled.
+    pub opened_at: Instant,
+    /// Why it was cut.
+    pub reason: FlushReason,
+}
+
+/// Consumer callbacks: rebalance logging and the lag gauge.
+pub struct SourceContext {
+    metrics: Metrics,
+    topics: Vec<String>,
+}
+
+impl ClientContext for SourceContext {
+    fn stats(&self, stats: Statistics) {
+        for (name, topic) in &stats.topics {
+            if !self.topics.contains(name) {
+                continue;
+            }
+            let lag: i64 = topic
+                .partitions
+                .values()
+                .filter(|p| p.partition >= 0 && p.consumer_lag >= 0)
+                .map(|p| p.consumer_lag)
+                .sum();
+            self.metrics
+                .consumer_lag
+                .with_label_values(&[name])
+                .set(lag);
+        }
+    }
+}
+
+impl ConsumerContext for SourceContext {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let kind = match rebalance {
+            Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = tpl.count(), "Partitions assigned.");
+                "assign"
+            }
+            Rebalance::Revoke(tpl) => {
+                tracing::info!(partitions = tpl.count(), "Partitions revoked.");
+                "revoke"
+            }
+            Rebalance::Error(e) => {
+                tracing::warn!(error = %e, "Rebalance error.");
+                "error"
+            }
+        };
+        self.metrics.rebalances.with_label_values(&[kind]).inc();
+        let n = consumer.assignment().map(|a| a.count()).unwrap_or(0);
+        self.metrics
+            .assigned_partitions
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}
+
+/// The consumer type.
+pub type KafkaConsumer = BaseConsumer<SourceContext>;
+
+fn base_client_config(cfg: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    for (k, v) in &cfg.properties {
+        c.set(k, v);
+    }
+    c.set("bootstrap.servers", &cfg.brokers);
+    c
+}
+
+/// Checks each librdkafka property on its own, so every bad one is reported.
+pub fn check_properties(props: &BTreeMap<String, String>) -> Vec<String> {
+    props
+        .iter()
+        .filter_map(|(k, v)| {
+            let mut c = ClientConfig::new();
+            c.set(k, v);
+            match c.create::<BaseConsumer>() {
+                Ok(_) => None,
+                Err(KafkaError::ClientConfig(_, desc, _, _)) => {
+                    Some(format!("kafka.properties.{k}: {desc}"))
+                }
+                // Properties that only make sense with others (SASL without a
+                // mechanism...) are left to the real client at start-up.
+                Err(_) => None,
+            }
+        })
+        .collect()
+}
+
+/// Creates the group consumer and subscribes it.
+///
+/// # Errors
+/// [`Error::Kafka`] if librdkafka rejects the configuration or the subscription.
+pub fn consumer(cfg: &KafkaConfig, metrics: &Metrics) -> Result<Arc<KafkaConsumer>> {
+    let mut c = base_client_config(cfg);
+    c.set("group.id", &cfg.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false")
+        .set(
+            "statistics.interval.ms",
+            cfg.statistics_interval.as_millis().to_string(),
+        );
+    let ctx = SourceContext {
+        metrics: metrics.clone(),
+        topics: cfg.topics.clone(),
+    };
+    let consumer: KafkaConsumer = c
+        .create_with_context(ctx)
+        .map_err(Error::kafka("creating the consumer"))?;
+    let topics: Vec<&str> = cfg.topics.iter().map(String::as_str).collect();
+    consumer
+        .subscribe(&topics)
+        .map_err(Error::kafka("subscribing"))?;
+    Ok(Arc::new(consumer))
+}
+
+/// Creates the dead-letter producer (idempotent, acks=all).
+///
+/// # Errors
+/// [`Error::Kafka`] if librdkafka rejects the configuration.
+pub fn dead_letter_producer(cfg: &KafkaConfig) -> Result<FutureProducer> {
+    let mut c = base_client_config(cfg);
+    // Consumer-only properties would make the producer warn; drop the ones we know.
+    for k in [
+        "session.timeout.ms",
+        "auto.offset.reset",
+        "heartbeat.interval.ms",
+        "max.poll.interval.ms",
+        "fetch.min.bytes",
+        "fetch.max.bytes",
+        "fetch.wait.max.ms",
+        "max.partition.fetch.bytes",
+        "partition.assignment.strategy",
+        "group.instance.id",
+        "isolation.level",
+        "queued.min.messages",
+        "queued.max.messages.kbytes",
+    ] {
+        c.remove(k);
+    }
+    c.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5");
+    c.create()
+        .map_err(Error::kafka("creating the dead-letter producer"))
+}
+
+/// Creates `topic` if missing (`partitions`, replication 1 unless the broker
+/// decides otherwise).
+///
+/// # Errors
+/// [`Error::Kafka`] when the admin request fails for another reason than "exists".
+pub async fn ensure_topic(
+    brokers: &str,
+    props: &BTreeMap<String, String>,
+    topic: &str,
+    partitions: i32,
+) -> Result<()> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let mut c = ClientConfig::new();
+    for (k, v) in props {
+        if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
+            c.set(k, v);
+        }
+    }
+    c.set("bootstrap.servers", brokers);
+    let admin: AdminClient<_> = c
+        .create()
+        .map_err(Error::kafka("creating the admin client"))?;
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(-1),
+            )],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await
+        .map_err(Error::kafka(format!("creating topic {topic}")))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((t, code)) => {
+                return Err(Error::Kafka {
+                    context: format!("creating topic {t}"),
+                    source: KafkaError::AdminOp(code),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the poll loop needs.
+pub struct SourceLoop {
+    /// The subscribed consumer.
+    pub consumer: Arc<KafkaConsumer>,
+    /// The dead-letter producer.
+    pub producer: FutureProducer,
+    /// Configuration.
+    pub config: KafkaConfig,
+    /// Batch limits.
+    pub tracker: BatchTracker,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Set to stop: the loop flushes what it holds and returns.
+    pub stop: Arc<AtomicBool>,
+    /// Stop by itself after this long without records once partitions are assigned.
+    pub exit_when_idle: Option<Duration>,
+}
+
+struct Pending {
+    builders: TableBuilders,
+    offsets: HashMap<(usize, i32), i64>,
+    dead_letters: Vec<DeliveryFuture>,
+}
+
+impl SourceLoop {
+    /// Polls until stopped, sending batches into `tx` (blocking when it is
+    /// full: that is the backpressure). Runs on a dedicated thread.
+    ///
+    /// # Errors
+    /// Only for failures that must stop the pipeline (the writer went away,
+    /// Arrow rejected a batch).
+    pub fn run(mut self, tx: &mpsc::Sender<SourceBatch>) -> Result<()> {
+        let mut pending = Pending {
+            builders: TableBuilders::default(),
+            offsets: HashMap::new(),
+            dead_letters: Vec::new(),
+        };
+        let mut opened_at = Instant::now();
+        let mut last_record = Instant::now();
+        let mut idle_clock_running = false;
+        let max_event_bytes = self.config.max_event_bytes.0;
+        let topics = self.config.topics.clone();
+        // A local handle, so polled messages do not borrow `self`.
+        let consumer = self.consumer.clone();
+        let received: Vec<_> = topics
+            .iter()
+            .map(|t| self.metrics.records_received.with_label_values(&[t]))
+            .collect();
+        let received_bytes: Vec<_> = topics
+            .iter()
+            .map(|t| self.metrics.bytes_received.with_label_values(&[t]))
+            .collect();
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                self.flush(&mut pending, opened_at, FlushReason::Drain, tx)?;
+                return Ok(());
+            }
+            let now = Instant::now();
+            let wait = self
+                .tracker
+                .deadline()
+                .map_or(Duration::from_millis(100), |d| {
+                    d.saturating_duration_since(now)
+                })
+                .min(Duration::from_millis(100));
+            match consumer.poll(wait) {
+                None => {}
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "Kafka consumer error.");
+                    self.metrics.error("source", &Error::kafka("polling")(e));
+                }
+                Some(Ok(msg)) => {
+                    let now = Instant::now();
+                    last_record = now;
+                    if self.tracker.is_empty() {
+                        opened_at = now;
+                    }
+                    let topic_idx = topics.iter().position(|t| t == msg.topic()).unwrap_or(0);
+                    let payload = msg.payload().unwrap_or_default();
+                    received[topic_idx].inc();
+                    received_bytes[topic_idx].inc_by(payload.len() as u64);
+                    let slot = pending
+                        .offsets
+                        .entry((topic_idx, msg.partition()))
+                        .or_insert(0);
+                    *slot = (*slot).max(msg.offset() + 1);
+                    let decoded = if payload.len() > max_event_bytes {
+                        Err(DecodeError::oversize(payload.len(), max_event_bytes))
+                    } else {
+                        decode(payload)
+                    };
+                    match decoded {
+                        Ok(event) => pending.builders.append(
+                            &event,
+                            Provenance {
+                                partition: msg.partition(),
+                                offset: msg.offset(),
+                                ingested_at_ms: chrono::Utc::now().timestamp_millis(),
+                            },
+                        ),
+                        Err(err) => {
+                            let f = self.dead_letter(&msg, payload, &err)?;
+                            pending.dead_letters.push(f);
+                        }
+                    }
+                    if let Some(reason) = self.tracker.record(payload.len(), now) {
+                        self.flush(&mut pending, opened_at, reason, tx)?;
+                    }
+                }
+            }
+            let now = Instant::now();
+            if self.tracker.linger_elapsed(now) {
+                self.flush(&mut pending, opened_at, FlushReason::Linger, tx)?;
+            }
+            if let Some(idle) = self.exit_when_idle {
+                if !idle_clock_running && self.metrics.assigned_partitions.get() > 0 {
+                    idle_clock_running = true;
+                    last_record = now;
+                }
+                if idle_clock_running
+                    && self.tracker.is_empty()
+                    && now.duration_since(last_record) >= idle
+                {
+                    tracing::info!(idle = ?idle, "No records for the idle period; stopping.");
+                    self.stop.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn dead_letter(
+        &self,
+        msg: &impl Message,
+        payload: &[u8],
+        err: &DecodeError,
+    ) -> Result<DeliveryFuture> {
+        self.metrics
+            .dead_lettered
+            .with_label_values(&[err.kind.as_str()])
+            .inc();
+        tracing::debug!(topic = msg.topic(), partition = msg.partition(), offset = msg.offset(), error = %err, "Dead-lettering a malformed record.");
+        let partition = msg.partition().to_string();
+        let offset = msg.offset().to_string();
+        let reason = err.to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: headers::KIND,
+                value: Some(err.kind.as_str()),
+            })
+            .insert(Header {
+                key: headers::FIELD,
+                value: Some(err.field.as_str()),
+            })
+            .insert(Header {
+                key: headers::REASON,
+                value: Some(reason.as_str()),
+            })
+            .insert(Header {
+                key: headers::TOPIC,
+                value: Some(msg.topic()),
+            })
+            .insert(Header {
+                key: headers::PARTITION,
+                value: Some(partition.as_str()),
+            })
+            .insert(Header {
+                key: headers::OFFSET,
+                value: Some(offset.as_str()),
+            });
+        let mut record = FutureRecord::to(&self.config.dead_letter_topic)
+            .payload(payload)
+            .headers(headers);
+        if let Some(key) = msg.key() {
+            record = record.key(key);
+        }
+        loop {
+            match self.producer.send_result(record) {
+                Ok(f) => return Ok(f),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    self.producer.poll(Duration::from_millis(50));
+                }
+                Err((e, _)) => return Err(Error::kafka("producing a dead letter")(e)),
+            }
+        }
+    }
+
+    fn flush(
+        &mut self,
+        p: &mut Pending,
+        opened_at: Instant,
+        reason: FlushReason,
+        tx: &mpsc::Sender<SourceBatch>,
+    ) -> Result<()> {
+        if self.tracker.is_empty() {
+            return Ok(());
+        }
+        let (records, bytes) = self.tracker.take();
+        let tables = p.builders.finish()?;
+        let offsets = p
+            .offsets
+            .drain()
+            .map(|((t, part), off)| (self.config.topics[t].clone(), part, off))
+            .collect();
+        let batch = SourceBatch {
+            tables,
+            offsets,
+            dead_letters: std::mem::take(&mut p.dead_letters),
+            records,
+            bytes,
+            opened_at,
+            reason,
+        };
+        self.metrics
+            .batches
+            .with_label_values(&[reason.as_str()])
+            .inc();
+        self.metrics.batch_records.observe(records as f64);
+        self.metrics.batch_bytes.observe(bytes as f64);
+        self.metrics.queue_depth.inc();
+        tx.blocking_send(batch).map_err(|_| Error::Internal {
+            message: "the writer stopped before the source".into(),
+        })
+    }
+}

@@ -1,0 +1,352 @@
+use super::*;
+
+fn ok(json: &str) -> Event<'_> {
+    decode(json.as_bytes()).unwrap_or_else(|e| panic!("{json} should decode: {e}"))
+}
+
+#[track_caller]
+fn err(json: &str, kind: DecodeErrorKind, field: &str) -> DecodeError {
+    let e = decode(json.as_bytes()).expect_err(json);
+    assert_eq!((e.kind, e.field.as_str()), (kind, field), "{json}: {e}");
+    e
+}
+
+const CLICK: &str = r#"{"type":"click","schema_version":1,"event_id":"e1","timestamp":1700000000000,"user_id":"u1","item_id":"i1"}"#;
+
+#[test]
+fn decodes_every_type() {
+    match ok(CLICK) {
+        Event::Interaction(i) => {
+            assert_eq!(i.kind, InteractionKind::Click);
+            assert_eq!(
+                (&*i.event_id, &*i.user_id, i.item_id.as_deref()),
+                ("e1", "u1", Some("i1"))
+            );
+            assert_eq!(i.timestamp_ms, 1_700_000_000_000);
+            assert!(
+                matches!(i.event_id, Cow::Borrowed(_)),
+                "unescaped strings borrow"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    match ok(
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":"2026-11-30T12:00:00+01:00","user_id":"u","item_id":"i","quantity":2,"price":3.5,"currency":"USD"}"#,
+    ) {
+        Event::Interaction(i) => {
+            assert_eq!(i.kind, InteractionKind::Purchase);
+            assert_eq!(
+                (i.quantity, i.price, i.currency.as_deref()),
+                (Some(2), Some(3.5), Some("USD"))
+            );
+            assert_eq!(i.timestamp_ms, 1_796_036_400_000);
+        }
+        other => panic!("{other:?}"),
+    }
+    match ok(
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    ) {
+        Event::Interaction(i) => assert_eq!(i.quantity, Some(1), "quantity defaults to 1"),
+        other => panic!("{other:?}"),
+    }
+    match ok(
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"assistant","text":"Try \"Blue Train\"."}"#,
+    ) {
+        Event::Interaction(i) => {
+            assert_eq!(i.role, Some(Role::Assistant));
+            assert_eq!(i.text.as_deref(), Some("Try \"Blue Train\"."));
+        }
+        other => panic!("{other:?}"),
+    }
+    match ok(
+        r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i","title":"T","categories":["A","B"],"description":"d","attributes":{"year":1959,"tags":["x"]}}"#,
+    ) {
+        Event::Item(i) => {
+            assert_eq!(i.categories, vec!["A", "B"]);
+            assert_eq!(
+                i.attributes.as_deref(),
+                Some(r#"{"year":1959,"tags":["x"]}"#)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    match ok(
+        r#"{"type":"profile","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","attributes":{"age":30}}"#,
+    ) {
+        Event::Profile(p) => assert_eq!(p.attributes.as_deref(), Some(r#"{"age":30}"#)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn unknown_fields_are_ignored() {
+    ok(
+        r#"{"type":"click","schema_version":1,"event_id":"e1","timestamp":1,"user_id":"u1","item_id":"i1","page":"home","x":{"y":[1,2]}}"#,
+    );
+}
+
+#[test]
+fn invalid_json_and_non_objects() {
+    err("{not json", DecodeErrorKind::InvalidJson, "");
+    err("", DecodeErrorKind::InvalidJson, "");
+    err("[1,2]", DecodeErrorKind::InvalidJson, "");
+    err("\"click\"", DecodeErrorKind::InvalidJson, "");
+    err(
+        &format!("{CLICK} trailing"),
+        DecodeErrorKind::InvalidJson,
+        "",
+    );
+    let mut bad_utf8 = br#"{"type":"click","schema_version":1,"event_id":""#.to_vec();
+    bad_utf8.extend([0xff, 0xfe]);
+    bad_utf8.extend(br#"","timestamp":1,"user_id":"u","item_id":"i"}"#);
+    let e = decode(&bad_utf8).unwrap_err();
+    assert_eq!(e.kind, DecodeErrorKind::InvalidJson, "{e}");
+}
+
+#[test]
+fn wrong_types_name_the_field() {
+    let e = err(
+        r#"{"type":"click","schema_version":1,"event_id":5,"timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "event_id",
+    );
+    assert!(e.reason.contains("invalid type"), "{e}");
+    err(
+        r#"{"type":"click","schema_version":"1","event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "schema_version",
+    );
+    err(
+        r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i","title":"t","categories":["a",3]}"#,
+        DecodeErrorKind::InvalidField,
+        "categories[1]",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":true,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","event_id":"f","timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "event_id",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":1e400}"#,
+        DecodeErrorKind::InvalidJson,
+        "",
+    );
+}
+
+#[test]
+fn missing_fields() {
+    err(
+        r#"{"schema_version":1,"event_id":"e","timestamp":1}"#,
+        DecodeErrorKind::MissingField,
+        "type",
+    );
+    err(
+        r#"{"type":"click","event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::MissingField,
+        "schema_version",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::MissingField,
+        "event_id",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::MissingField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i"}"#,
+        DecodeErrorKind::MissingField,
+        "user_id",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":null,"item_id":"i"}"#,
+        DecodeErrorKind::MissingField,
+        "user_id",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u"}"#,
+        DecodeErrorKind::MissingField,
+        "item_id",
+    );
+    err(
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u"}"#,
+        DecodeErrorKind::MissingField,
+        "item_id",
+    );
+    err(
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","role":"user","text":"t"}"#,
+        DecodeErrorKind::MissingField,
+        "session_id",
+    );
+    err(
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","text":"t"}"#,
+        DecodeErrorKind::MissingField,
+        "role",
+    );
+    err(
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"user"}"#,
+        DecodeErrorKind::MissingField,
+        "text",
+    );
+    err(
+        r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"title":"t"}"#,
+        DecodeErrorKind::MissingField,
+        "item_id",
+    );
+    err(
+        r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i"}"#,
+        DecodeErrorKind::MissingField,
+        "title",
+    );
+    err(
+        r#"{"type":"profile","schema_version":1,"event_id":"e","timestamp":1}"#,
+        DecodeErrorKind::MissingField,
+        "user_id",
+    );
+}
+
+#[test]
+fn invalid_values() {
+    err(
+        r#"{"type":"like","schema_version":1,"event_id":"e","timestamp":1}"#,
+        DecodeErrorKind::UnknownType,
+        "type",
+    );
+    err(
+        r#"{"type":"click","schema_version":2,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::UnsupportedVersion,
+        "schema_version",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"","timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "event_id",
+    );
+    let long = "x".repeat(MAX_ID_BYTES + 1);
+    err(
+        &format!(
+            r#"{{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"{long}","item_id":"i"}}"#
+        ),
+        DecodeErrorKind::InvalidField,
+        "user_id",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e\n","timestamp":1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "event_id",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":-1,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":99999999999999999,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":18446744073709551615,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1.5,"user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":"yesterday","user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":"2300-01-01T00:00:00Z","user_id":"u","item_id":"i"}"#,
+        DecodeErrorKind::InvalidField,
+        "timestamp",
+    );
+    err(
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":1e39}"#,
+        DecodeErrorKind::InvalidField,
+        "rating",
+    );
+    err(
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","quantity":0}"#,
+        DecodeErrorKind::InvalidField,
+        "quantity",
+    );
+    err(
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","price":-1}"#,
+        DecodeErrorKind::InvalidField,
+        "price",
+    );
+    err(
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","currency":"euro"}"#,
+        DecodeErrorKind::InvalidField,
+        "currency",
+    );
+    err(
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"bot","text":"t"}"#,
+        DecodeErrorKind::InvalidField,
+        "role",
+    );
+    err(
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"user","text":"  "}"#,
+        DecodeErrorKind::InvalidField,
+        "text",
+    );
+    err(
+        r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i","title":"t","categories":["a",""]}"#,
+        DecodeErrorKind::InvalidField,
+        "categories[1]",
+    );
+    err(
+        r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i","title":"t","attributes":[1]}"#,
+        DecodeErrorKind::InvalidField,
+        "attributes",
+    );
+    err(
+        r#"{"type":"profile","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","attributes":"old"}"#,
+        DecodeErrorKind::InvalidField,
+        "attributes",
+    );
+}
+
+#[test]
+fn error_display_names_field_and_reason() {
+    let e = decode(
+        br#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i"}"#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "missing_field: field `user_id`: required field is missing"
+    );
+    assert_eq!(
+        DecodeError::oversize(10, 5).to_string(),
+        "oversize: payload is 10 bytes, more than max_event_bytes = 5"
+    );
+}
+
+#[test]
+fn never_panics_on_arbitrary_bytes() {
+    // A cheap deterministic fuzz: every prefix and single-byte corruption of a valid event.
+    let base = br#"{"type":"item","schema_version":1,"event_id":"e","timestamp":"2026-01-01T00:00:00Z","item_id":"i","title":"t","categories":["a"],"attributes":{"k":[1,{"z":null}]}}"#;
+    for n in 0..=base.len() {
+        let _ = decode(&base[..n]);
+    }
+    for i in 0..base.len() {
+        for b in [0u8, b'"', b'{', b'}', b'\\', 0xff, b'9', b','] {
+            let mut v = base.to_vec();
+            v[i] = b;
+            let _ = decode(&v);
+        }
+    }
+}

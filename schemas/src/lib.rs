@@ -1,0 +1,20 @@
+//! Event types, decoding and Arrow schemas for steamrf.
+//!
+//! Producers send JSON events (see `docs/events.md`). [`decode`] turns one
+//! Kafka payload into an [`Event`] or a [`DecodeError`] that names the field
+//! and the reason; it never panics. [`tables`] holds the Arrow schemas of the
+//! LanceDB tables and of every event type, and [`TableBuilders`] appends
+//! decoded events into Arrow `RecordBatch`es for those tables.
+
+#![deny(missing_docs)]
+
+mod error;
+mod event;
+pub mod tables;
+
+pub use error::{DecodeError, DecodeErrorKind};
+pub use event::{
+    Event, EventType, Interaction, InteractionKind, ItemEvent, MAX_ID_BYTES, MAX_TIMESTAMP_MS,
+    MIN_TIMESTAMP_MS, ProfileEvent, Role, SCHEMA_VERSION, decode,
+};
+pub use tables::{Provenance, TableBatches, TableBuilders, TableName};

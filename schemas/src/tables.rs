@@ -1,0 +1,535 @@
+//! Arrow schemas of the LanceDB tables and of each event type, and builders
+//! that append decoded events into `RecordBatch`es for those tables.
+//!
+//! Tables (all written idempotently, see `ARCHITECTURE.md`):
+//! - `interactions`: clicks, purchases and dialogue turns, keyed by `event_id`;
+//! - `items`: the catalog, keyed by `item_id` (latest event time wins);
+//! - `profiles`: user attributes, keyed by `user_id` (latest event time wins).
+//!
+//! Every row carries its provenance: the Kafka partition and offset it came
+//! from and when steamrf ingested it.
+
+use std::sync::{Arc, LazyLock};
+
+use arrow_array::builder::{
+    Float32Builder, Float64Builder, Int32Builder, Int64Builder, ListBuilder, StringBuilder,
+    TimestampMillisecondBuilder,
+};
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef, TimeUnit};
+
+use crate::event::{Event, EventType, Interaction, ItemEvent, ProfileEvent};
+
+/// The LanceDB tables the ingest pipeline writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TableName {
+    /// Clicks, purchases, dialogue turns.
+    Interactions,
+    /// The item catalog.
+    Items,
+    /// User profiles.
+    Profiles,
+}
+
+impl TableName {
+    /// All tables, in a fixed order.
+    pub const ALL: [Self; 3] = [Self::Interactions, Self::Items, Self::Profiles];
+
+    /// The table's name in LanceDB (and the `table` metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Interactions => "interactions",
+            Self::Items => "items",
+            Self::Profiles => "profiles",
+        }
+    }
+
+    /// The column writes are idempotent on.
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::Interactions => "event_id",
+            Self::Items => "item_id",
+            Self::Profiles => "user_id",
+        }
+    }
+
+    /// The table's Arrow schema.
+    pub fn schema(self) -> SchemaRef {
+        match self {
+            Self::Interactions => INTERACTIONS.clone(),
+            Self::Items => ITEMS.clone(),
+            Self::Profiles => PROFILES.clone(),
+        }
+    }
+}
+
+fn ts() -> DataType {
+    DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into()))
+}
+
+fn provenance_fields() -> [Field; 3] {
+    [
+        Field::new("source_partition", DataType::Int32, false),
+        Field::new("source_offset", DataType::Int64, false),
+        Field::new("ingested_at", ts(), false),
+    ]
+}
+
+fn utf8(name: &str, nullable: bool) -> Field {
+    Field::new(name, DataType::Utf8, nullable)
+}
+
+fn categories_type() -> DataType {
+    DataType::List(Arc::new(Field::new("item", DataType::Utf8, true)))
+}
+
+static INTERACTIONS: LazyLock<SchemaRef> = LazyLock::new(|| {
+    let mut fields = vec![
+        utf8("event_id", false),
+        utf8("kind", false),
+        utf8("user_id", false),
+        Field::new("timestamp", ts(), false),
+        utf8("item_id", true),
+        utf8("session_id", true),
+        Field::new("rating", DataType::Float32, true),
+        Field::new("quantity", DataType::Int32, true),
+        Field::new("price", DataType::Float64, true),
+        utf8("currency", true),
+        utf8("role", true),
+        utf8("text", true),
+    ];
+    fields.extend(provenance_fields());
+    Arc::new(Schema::new(fields))
+});
+
+static ITEMS: LazyLock<SchemaRef> = LazyLock::new(|| {
+    let mut fields = vec![
+        utf8("item_id", false),
+        utf8("event_id", false),
+        Field::new("timestamp", ts(), false),
+        utf8("title", false),
+        Field::new("categories", categories_type(), false),
+        utf8("description", true),
+        utf8("attributes", true),
+    ];
+    fields.extend(provenance_fields());
+    Arc::new(Schema::new(fields))
+});
+
+static PROFILES: LazyLock<SchemaRef> = LazyLock::new(|| {
+    let mut fields = vec![
+        utf8("user_id", false),
+        utf8("event_id", false),
+        Field::new("timestamp", ts(), false),
+        utf8("attributes", true),
+    ];
+    fields.extend(provenance_fields());
+    Arc::new(Schema::new(fields))
+});
+
+/// The Arrow schema of one event type as it arrives: the columns of its table
+/// that the event fills (provenance columns excluded). Documented in
+/// `docs/events.md` and snapshot-tested in `schemas/golden/`.
+pub fn event_schema(ty: EventType) -> SchemaRef {
+    let pick = |table: TableName, cols: &[&str]| {
+        let schema = table.schema();
+        let fields: Vec<Field> = cols
+            .iter()
+            .filter_map(|c| schema.field_with_name(c).ok().cloned())
+            .collect();
+        Arc::new(Schema::new(fields))
+    };
+    let common = ["event_id", "kind", "user_id", "timestamp"];
+    match ty {
+        EventType::Click => pick(
+            TableName::Interactions,
+            &[&common[..], &["item_id", "session_id", "rating"]].concat(),
+        ),
+        EventType::Purchase => pick(
+            TableName::Interactions,
+            &[
+                &common[..],
+                &["item_id", "session_id", "quantity", "price", "currency"],
+            ]
+            .concat(),
+        ),
+        EventType::DialogueTurn => pick(
+            TableName::Interactions,
+            &[&common[..], &["session_id", "role", "text", "item_id"]].concat(),
+        ),
+        EventType::Item => pick(
+            TableName::Items,
+            &[
+                "item_id",
+                "event_id",
+                "timestamp",
+                "title",
+                "categories",
+                "description",
+                "attributes",
+            ],
+        ),
+        EventType::Profile => pick(
+            TableName::Profiles,
+            &["user_id", "event_id", "timestamp", "attributes"],
+        ),
+    }
+}
+
+/// Where a row came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Provenance {
+    /// Kafka partition.
+    pub partition: i32,
+    /// Kafka offset.
+    pub offset: i64,
+    /// Ingest wall-clock time, ms since the epoch.
+    pub ingested_at_ms: i64,
+}
+
+#[derive(Debug, Default)]
+struct ProvenanceBuilder {
+    partition: Int32Builder,
+    offset: Int64Builder,
+    ingested_at: TimestampMillisecondBuilder,
+}
+
+impl ProvenanceBuilder {
+    fn append(&mut self, p: Provenance) {
+        self.partition.append_value(p.partition);
+        self.offset.append_value(p.offset);
+        self.ingested_at.append_value(p.ingested_at_ms);
+    }
+
+    fn finish(&mut self) -> [ArrayRef; 3] {
+        [
+            Arc::new(self.partition.finish()),
+            Arc::new(self.offset.finish()),
+            Arc::new(self.ingested_at.finish().with_timezone("UTC")),
+        ]
+    }
+}
+
+#[derive(Debug, Default)]
+struct InteractionsBuilder {
+    event_id: StringBuilder,
+    kind: StringBuilder,
+    user_id: StringBuilder,
+    timestamp: TimestampMillisecondBuilder,
+    item_id: StringBuilder,
+    session_id: StringBuilder,
+    rating: Float32Builder,
+    quantity: Int32Builder,
+    price: Float64Builder,
+    currency: StringBuilder,
+    role: StringBuilder,
+    text: StringBuilder,
+    provenance: ProvenanceBuilder,
+    len: usize,
+}
+
+impl InteractionsBuilder {
+    fn append(&mut self, e: &Interaction<'_>, p: Provenance) {
+        self.event_id.append_value(&e.event_id);
+        self.kind.append_value(e.kind.as_str());
+        self.user_id.append_value(&e.user_id);
+        self.timestamp.append_value(e.timestamp_ms);
+        self.item_id.append_option(e.item_id.as_deref());
+        self.session_id.append_option(e.session_id.as_deref());
+        self.rating.append_option(e.rating);
+        self.quantity.append_option(e.quantity);
+        self.price.append_option(e.price);
+        self.currency.append_option(e.currency.as_deref());
+        self.role.append_option(e.role.map(|r| r.as_str()));
+        self.text.append_option(e.text.as_deref());
+        self.provenance.append(p);
+        self.len += 1;
+    }
+
+    fn finish(&mut self) -> Result<RecordBatch, ArrowError> {
+        self.len = 0;
+        let mut cols: Vec<ArrayRef> = vec![
+            Arc::new(self.event_id.finish()),
+            Arc::new(self.kind.finish()),
+            Arc::new(self.user_id.finish()),
+            Arc::new(self.timestamp.finish().with_timezone("UTC")),
+            Arc::new(self.item_id.finish()),
+            Arc::new(self.session_id.finish()),
+            Arc::new(self.rating.finish()),
+            Arc::new(self.quantity.finish()),
+            Arc::new(self.price.finish()),
+            Arc::new(self.currency.finish()),
+            Arc::new(self.role.finish()),
+            Arc::new(self.text.finish()),
+        ];
+        cols.extend(self.provenance.finish());
+        RecordBatch::try_new(INTERACTIONS.clone(), cols)
+    }
+}
+
+#[derive(Debug)]
+struct ItemsBuilder {
+    item_id: StringBuilder,
+    event_id: StringBuilder,
+    timestamp: TimestampMillisecondBuilder,
+    title: StringBuilder,
+    categories: ListBuilder<StringBuilder>,
+    description: StringBuilder,
+    attributes: StringBuilder,
+    provenance: ProvenanceBuilder,
+    len: usize,
+}
+
+impl Default for ItemsBuilder {
+    fn default() -> Self {
+        Self {
+            item_id: StringBuilder::new(),
+            event_id: StringBuilder::new(),
+            timestamp: TimestampMillisecondBuilder::new(),
+            title: StringBuilder::new(),
+            categories: ListBuilder::new(StringBuilder::new()).with_field(Arc::new(Field::new(
+                "item",
+                DataType::Utf8,
+                true,
+            ))),
+            description: StringBuilder::new(),
+            attributes: StringBuilder::new(),
+            provenance: ProvenanceBuilder::default(),
+            len: 0,
+        }
+    }
+}
+
+impl ItemsBuilder {
+    fn append(&mut self, e: &ItemEvent<'_>, p: Provenance) {
+        self.item_id.append_value(&e.item_id);
+        self.event_id.append_value(&e.event_id);
+        self.timestamp.append_value(e.timestamp_ms);
+        self.title.append_value(&e.title);
+        for c in &e.categories {
+            self.categories.values().append_value(c);
+        }
+        self.categories.append(true);
+        self.description.append_option(e.description.as_deref());
+        self.attributes.append_option(e.attributes.as_deref());
+        self.provenance.append(p);
+        self.len += 1;
+    }
+
+    fn finish(&mut self) -> Result<RecordBatch, ArrowError> {
+        self.len = 0;
+        let mut cols: Vec<ArrayRef> = vec![
+            Arc::new(self.item_id.finish()),
+            Arc::new(self.event_id.finish()),
+            Arc::new(self.timestamp.finish().with_timezone("UTC")),
+            Arc::new(self.title.finish()),
+            Arc::new(self.categories.finish()),
+            Arc::new(self.description.finish()),
+            Arc::new(self.attributes.finish()),
+        ];
+        cols.extend(self.provenance.finish());
+        RecordBatch::try_new(ITEMS.clone(), cols)
+    }
+}
+
+#[derive(Debug, Default)]
+struct ProfilesBuilder {
+    user_id: StringBuilder,
+    event_id: StringBuilder,
+    timestamp: TimestampMillisecondBuilder,
+    attributes: StringBuilder,
+    provenance: ProvenanceBuilder,
+    len: usize,
+}
+
+impl ProfilesBuilder {
+    fn append(&mut self, e: &ProfileEvent<'_>, p: Provenance) {
+        self.user_id.append_value(&e.user_id);
+        self.event_id.append_value(&e.event_id);
+        self.timestamp.append_value(e.timestamp_ms);
+        self.attributes.append_option(e.attributes.as_deref());
+        self.provenance.append(p);
+        self.len += 1;
+    }
+
+    fn finish(&mut self) -> Result<RecordBatch, ArrowError> {
+        self.len = 0;
+        let mut cols: Vec<ArrayRef> = vec![
+            Arc::new(self.user_id.finish()),
+            Arc::new(self.event_id.finish()),
+            Arc::new(self.timestamp.finish().with_timezone("UTC")),
+            Arc::new(self.attributes.finish()),
+        ];
+        cols.extend(self.provenance.finish());
+        RecordBatch::try_new(PROFILES.clone(), cols)
+    }
+}
+
+/// Appends decoded events into one in-progress batch per table.
+#[derive(Debug, Default)]
+pub struct TableBuilders {
+    interactions: InteractionsBuilder,
+    items: ItemsBuilder,
+    profiles: ProfilesBuilder,
+}
+
+/// One micro-batch: at most one `RecordBatch` per table (absent when empty).
+#[derive(Debug, Default, Clone)]
+pub struct TableBatches {
+    /// Rows for `interactions`.
+    pub interactions: Option<RecordBatch>,
+    /// Rows for `items`.
+    pub items: Option<RecordBatch>,
+    /// Rows for `profiles`.
+    pub profiles: Option<RecordBatch>,
+}
+
+impl TableBatches {
+    /// The batches with their table names.
+    pub fn iter(&self) -> impl Iterator<Item = (TableName, &RecordBatch)> {
+        [
+            (TableName::Interactions, self.interactions.as_ref()),
+            (TableName::Items, self.items.as_ref()),
+            (TableName::Profiles, self.profiles.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(t, b)| b.map(|b| (t, b)))
+    }
+
+    /// Total rows over all tables.
+    pub fn num_rows(&self) -> usize {
+        self.iter().map(|(_, b)| b.num_rows()).sum()
+    }
+}
+
+impl TableBuilders {
+    /// Appends one event to its table's batch.
+    pub fn append(&mut self, event: &Event<'_>, provenance: Provenance) {
+        match event {
+            Event::Interaction(e) => self.interactions.append(e, provenance),
+            Event::Item(e) => self.items.append(e, provenance),
+            Event::Profile(e) => self.profiles.append(e, provenance),
+        }
+    }
+
+    /// Rows appended since the last [`Self::finish`].
+    pub fn len(&self) -> usize {
+        self.interactions.len + self.items.len + self.profiles.len
+    }
+
+    /// Whether nothing was appended since the last [`Self::finish`].
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Finishes the in-progress batches and starts new ones.
+    ///
+    /// # Errors
+    /// Only if the builders and schemas disagree, which is a bug.
+    pub fn finish(&mut self) -> Result<TableBatches, ArrowError> {
+        let interactions = (self.interactions.len > 0)
+            .then(|| self.interactions.finish())
+            .transpose()?;
+        let items = (self.items.len > 0)
+            .then(|| self.items.finish())
+            .transpose()?;
+        let profiles = (self.profiles.len > 0)
+            .then(|| self.profiles.finish())
+            .transpose()?;
+        Ok(TableBatches {
+            interactions,
+            items,
+            profiles,
+        })
+    }
+}
+
+/// A stable one-line-per-field rendering of a schema, for golden snapshots.
+pub fn describe_schema(schema: &Schema) -> String {
+    schema
+        .fields()
+        .iter()
+        .map(|f| {
+            format!(
+                "{}: {}{}\n",
+                f.name(),
+                f.data_type(),
+                if f.is_nullable() { "" } else { " not null" }
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode;
+
+    fn golden(name: &str, actual: &str) {
+        let path = format!("{}/golden/{name}.txt", env!("CARGO_MANIFEST_DIR"));
+        if std::env::var_os("STEAMRF_BLESS").is_some() {
+            std::fs::write(&path, actual).unwrap();
+        }
+        let expected = std::fs::read_to_string(&path)
+            .unwrap_or_else(|_| panic!("missing {path}; run with STEAMRF_BLESS=1 to create it"));
+        assert_eq!(
+            expected, actual,
+            "schema {name} changed; if intended, re-run with STEAMRF_BLESS=1 and bump SCHEMA_VERSION if producers are affected"
+        );
+    }
+
+    #[test]
+    fn table_schemas_match_golden() {
+        for t in TableName::ALL {
+            golden(
+                &format!("table_{}", t.as_str()),
+                &describe_schema(&t.schema()),
+            );
+        }
+    }
+
+    #[test]
+    fn event_schemas_match_golden() {
+        for ty in EventType::ALL {
+            golden(
+                &format!("event_{}", ty.as_str()),
+                &describe_schema(&event_schema(ty)),
+            );
+        }
+    }
+
+    #[test]
+    fn builders_produce_batches_of_the_table_schemas() {
+        let payloads = [
+            r#"{"type":"click","schema_version":1,"event_id":"e1","timestamp":1000,"user_id":"u1","item_id":"i1","rating":4.5}"#,
+            r#"{"type":"purchase","schema_version":1,"event_id":"e2","timestamp":"2026-01-01T00:00:00Z","user_id":"u1","item_id":"i2","price":9.99,"currency":"EUR"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e3","timestamp":3000,"user_id":"u1","session_id":"s1","role":"user","text":"I like jazz"}"#,
+            r#"{"type":"item","schema_version":1,"event_id":"e4","timestamp":4000,"item_id":"i1","title":"Kind of Blue","categories":["Jazz","Modal"],"attributes":{"year":1959}}"#,
+            r#"{"type":"profile","schema_version":1,"event_id":"e5","timestamp":5000,"user_id":"u1","attributes":{"age":31}}"#,
+        ];
+        let mut b = TableBuilders::default();
+        for (i, p) in payloads.iter().enumerate() {
+            let e = decode(p.as_bytes()).unwrap();
+            b.append(
+                &e,
+                Provenance {
+                    partition: 0,
+                    offset: i as i64,
+                    ingested_at_ms: 9,
+                },
+            );
+        }
+        assert_eq!(b.len(), 5);
+        let out = b.finish().unwrap();
+        assert!(b.is_empty());
+        assert_eq!(out.interactions.as_ref().unwrap().num_rows(), 3);
+        assert_eq!(out.items.as_ref().unwrap().num_rows(), 1);
+        assert_eq!(out.profiles.as_ref().unwrap().num_rows(), 1);
+        assert_eq!(out.num_rows(), 5);
+        for (t, batch) in out.iter() {
+            assert_eq!(batch.schema(), t.schema());
+        }
+        // A second finish with nothing appended yields nothing.
+        assert_eq!(b.finish().unwrap().num_rows(), 0);
+    }
+}

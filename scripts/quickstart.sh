@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One command from a fresh Debian 12 machine to a populated memory store:
+# installs the tools, starts a local Kafka-protocol broker on 127.0.0.1:9092,
+# builds steamrf, produces the shipped sample events through Kafka, runs the
+# pipeline into ./data/lancedb until the topic is drained, and queries it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/steamrf/target}"
+scripts/tools.sh
+scripts/broker.sh start
+cargo build --locked --bin steamrf
+steamrf="$CARGO_TARGET_DIR/debug/steamrf"
+
+.tools/venv/bin/python scripts/produce.py --topic steamrf-events --partitions 4 examples/sample-events.jsonl
+"$steamrf" validate examples/quickstart.toml >/dev/null
+# Runs until 5 s without new records, then drains, commits and exits 0.
+# Without --exit-when-idle it runs until SIGTERM, like in production.
+"$steamrf" run --config examples/quickstart.toml --exit-when-idle 5s
+
+q() { echo; echo "\$ steamrf sql \"$1\""; "$steamrf" sql --config examples/quickstart.toml "$1"; }
+q "SELECT kind, count(*) AS events, count(DISTINCT user_id) AS users FROM interactions GROUP BY kind ORDER BY kind"
+q "SELECT i.user_id, it.title, it.categories FROM interactions i JOIN items it ON i.item_id = it.item_id WHERE i.kind = 'purchase' ORDER BY i.timestamp"
+q "SELECT user_id, role, text FROM interactions WHERE kind = 'dialogue_turn' ORDER BY timestamp LIMIT 4"
+echo
+echo "Dead letters (malformed sample events) are on topic steamrf-dead-letters:"
+.tools/bin/kcat -b 127.0.0.1:9092 -C -t steamrf-dead-letters -o beginning -e -q \
+  -f '  %h\n    payload: %s\n' 2>/dev/null || true

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The test command. On a fresh Debian 12 machine it installs what the tests
+# need (scripts/tools.sh), starts the local broker, builds the workspace once
+# (one profile: dev, dependencies at opt-level 1) and runs every test with
+# nextest: unit tests, and end-to-end tests against the real broker and real
+# LanceDB tables in temp dirs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/steamrf/target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+start=$(date +%s)
+
+scripts/tools.sh
+if scripts/broker.sh status >/dev/null 2>&1; then
+  echo "test: using the broker already on 127.0.0.1:${STEAMRF_BROKER_PORT:-9092}"
+else
+  scripts/broker.sh start
+  trap 'scripts/broker.sh stop >/dev/null 2>&1 || true' EXIT
+fi
+
+cargo fmt --all --check
+t0=$(date +%s)
+# The e2e tests run the steamrf binary, so build every target first.
+cargo build --workspace --all-targets --locked
+echo "test: build took $(( $(date +%s) - t0 ))s (target dir $CARGO_TARGET_DIR)"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked --no-fail-fast
+else
+  cargo test --workspace --locked --no-fail-fast
+fi
+echo "test: total $(( $(date +%s) - start ))s"

