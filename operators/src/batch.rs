@@ -19,8 +19,8 @@ pub struct BatchPolicy {
 impl Default for BatchPolicy {
     fn default() -> Self {
         Self {
-            max_rows: 50_000,
-            max_bytes: 16 << 20,
+            max_rows: 100_000,
+            max_bytes: 32 << 20,
             linger: Duration::from_millis(200),
         }
     }

@@ -234,6 +234,37 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         "steamrf (decode → Arrow → LanceDB merge_insert → commit; batches of ≤{} rows / {} bytes / {:?}): {steamrf_eps:.0} events/s; {} batches; table check: {counts}",
         policy.max_rows, policy.max_bytes, policy.linger, summary.batches
     ));
+    let writes: Vec<String> = steamrf_schemas::TableName::ALL
+        .iter()
+        .filter_map(|t| {
+            let h = metrics.write_duration.with_label_values(&[t.as_str()]);
+            (h.get_sample_count() > 0).then(|| {
+                format!(
+                    "{} {} writes, {:.1} s",
+                    t.as_str(),
+                    h.get_sample_count(),
+                    h.get_sample_sum()
+                )
+            })
+        })
+        .collect();
+    out.push(format!(
+        "  time in LanceDB writes: {}; source blocked on a full queue: {:.1} s; wall time first record → last commit: {:.1} s",
+        writes.join(", "),
+        metrics.backpressure.get(),
+        done.duration_since(first).as_secs_f64()
+    ));
+    let reasons: Vec<String> = steamrf_operators::batch::FlushReason::ALL
+        .iter()
+        .map(|r| {
+            format!(
+                "{}={}",
+                r.as_str(),
+                metrics.batches.with_label_values(&[r.as_str()]).get()
+            )
+        })
+        .collect();
+    out.push(format!("  batches cut by: {}", reasons.join(" ")));
     out.push(format!(
         "RESULT ingest_events_per_s={steamrf_eps:.0} kcat_events_per_s={kcat_eps:.0} ratio={:.3}",
         steamrf_eps / kcat_eps

@@ -98,6 +98,8 @@ pub struct LanceDbConfig {
     /// Compaction and version pruning interval (0 disables).
     #[serde(with = "humantime_serde_compat")]
     pub optimize_interval: Duration,
+    /// Bring the key index up to date after this many new rows (0: no index).
+    pub reindex_rows: u64,
     /// Object-store options.
     #[serde(deserialize_with = "string_map")]
     pub storage_options: BTreeMap<String, String>,
@@ -146,6 +148,7 @@ impl fmt::Debug for LanceDbConfig {
         f.debug_struct("LanceDbConfig")
             .field("uri", &self.uri)
             .field("optimize_interval", &self.optimize_interval)
+            .field("reindex_rows", &self.reindex_rows)
             .field("storage_options", &redacted(&self.storage_options))
             .finish()
     }
@@ -519,7 +522,12 @@ mod tests {
     fn defaults_are_valid() {
         let c = Config::load_with_env(None, []).unwrap();
         assert_eq!(c.kafka.topics, vec!["steamrf-events"]);
-        assert_eq!(c.batch.max_bytes, ByteSize(16 << 20));
+        assert_eq!(c.batch.max_bytes, ByteSize(32 << 20));
+        assert_eq!(
+            c.batch.policy(),
+            BatchPolicy::default(),
+            "default.toml and BatchPolicy::default agree"
+        );
         assert_eq!(c.batch.linger, Duration::from_millis(200));
         assert_eq!(c.kafka.properties["session.timeout.ms"], "6000");
     }

@@ -20,7 +20,12 @@ use steamrf_pipelines::{Config, Error, Metrics, bench, sql};
 )]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. "info" or "steamrf_pipelines=debug".
-    #[arg(long, env = "STEAMRF_LOG", default_value = "info", global = true)]
+    #[arg(
+        long,
+        env = "STEAMRF_LOG",
+        default_value = "warn,steamrf=info,steamrf_pipelines=info",
+        global = true
+    )]
     log: String,
     #[command(subcommand)]
     command: Cmd,

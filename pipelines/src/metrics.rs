@@ -40,6 +40,8 @@ pub struct Metrics {
     pub batch_latency: Histogram,
     /// Batches waiting between the consumer and the writer.
     pub queue_depth: IntGauge,
+    /// Seconds the source spent blocked on a full queue (backpressure from the sink).
+    pub backpressure: prometheus::Counter,
     /// Rows written (inserted or updated), by table.
     pub rows_written: IntCounterVec,
     /// Rows skipped as already present (replays), by table.
@@ -162,6 +164,15 @@ impl Metrics {
                 .expect("valid metric");
                 r.register(Box::new(g.clone())).expect("unique metric");
                 g
+            },
+            backpressure: {
+                let c = prometheus::Counter::new(
+                    "steamrf_source_backpressure_seconds_total",
+                    "Seconds the source spent blocked because the writer's queue was full.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
             },
             rows_written: counter(
                 &r,

@@ -217,6 +217,13 @@ async fn write_batch(
             }
         };
         summary.rows_written += stats.inserted + stats.updated;
+        tracing::debug!(
+            table = table.as_str(),
+            rows = rows.num_rows(),
+            inserted = stats.inserted,
+            version = stats.version,
+            "Batch written."
+        );
     }
     for f in batch.dead_letters {
         match f.await {

@@ -12,11 +12,13 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::TimestampMillisecondType;
 use arrow_array::{RecordBatch, RecordBatchIterator, UInt32Array};
+use lancedb::index::Index;
 use lancedb::table::OptimizeAction;
 use lancedb::{Connection, Table};
 use steamrf_schemas::TableName;
@@ -89,6 +91,18 @@ pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
     Ok(table)
 }
 
+/// The name of the index on `name`'s key column, if there is one.
+async fn key_index(table: &Table, name: TableName) -> Result<Option<String>> {
+    let indices = table
+        .list_indices()
+        .await
+        .map_err(Error::lance("listing indices"))?;
+    Ok(indices
+        .into_iter()
+        .find(|i| i.columns == [name.key()])
+        .map(|i| i.name))
+}
+
 /// The outcome of one table write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WriteStats {
@@ -102,11 +116,23 @@ pub struct WriteStats {
     pub version: u64,
 }
 
+struct TableState {
+    table: Table,
+    /// Rows inserted since the key index last covered the table.
+    unindexed: AtomicU64,
+}
+
 /// Writes micro-batches into the three ingest tables.
+///
+/// Each table carries a BTree index on its key, so that `merge_insert` looks
+/// keys up instead of scanning the whole key column: without it every batch
+/// costs O(table size). New rows land in unindexed fragments, which the merge
+/// scans; once `reindex_rows` have accumulated the index is brought up to date.
 #[derive(Clone)]
 pub struct LanceSink {
-    tables: Arc<HashMap<TableName, Table>>,
+    tables: Arc<HashMap<TableName, TableState>>,
     metrics: Metrics,
+    reindex_rows: u64,
 }
 
 impl LanceSink {
@@ -118,16 +144,61 @@ impl LanceSink {
         let db = connect(cfg).await?;
         let mut tables = HashMap::new();
         for t in TableName::ALL {
-            tables.insert(t, open_or_create(&db, t).await?);
+            let table = open_or_create(&db, t).await?;
+            let rows = table
+                .count_rows(None)
+                .await
+                .map_err(Error::lance("counting rows"))? as u64;
+            // Coverage is unknown after a restart: a non-empty table creates
+            // or refreshes its index after its first write.
+            let unindexed = if rows == 0 { 0 } else { cfg.reindex_rows };
+            tables.insert(
+                t,
+                TableState {
+                    table,
+                    unindexed: AtomicU64::new(unindexed),
+                },
+            );
         }
         Ok(Self {
             tables: Arc::new(tables),
             metrics,
+            reindex_rows: cfg.reindex_rows,
         })
     }
 
     fn table(&self, t: TableName) -> &Table {
-        &self.tables[&t]
+        &self.tables[&t].table
+    }
+
+    /// Creates the key index, or folds new fragments into it, once enough
+    /// unindexed rows have accumulated.
+    async fn maybe_reindex(&self, name: TableName) -> Result<()> {
+        let state = &self.tables[&name];
+        if self.reindex_rows == 0 || state.unindexed.load(Ordering::Relaxed) < self.reindex_rows {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let table = &state.table;
+        if key_index(table, name).await?.is_some() {
+            table
+                .optimize(OptimizeAction::Index(Default::default()))
+                .await
+                .map_err(Error::lance(format!("updating the {} index", name.key())))?;
+        } else {
+            table
+                .create_index(&[name.key()], Index::BTree(Default::default()))
+                .execute()
+                .await
+                .map_err(Error::lance(format!("creating the {} index", name.key())))?;
+        }
+        state.unindexed.store(0, Ordering::Relaxed);
+        self.metrics
+            .optimizations
+            .with_label_values(&[name.as_str()])
+            .inc();
+        tracing::debug!(table = name.as_str(), took = ?started.elapsed(), "Key index updated.");
+        Ok(())
     }
 
     /// Writes one batch durably and idempotently (see the module docs).
@@ -181,6 +252,10 @@ impl LanceSink {
             .table_version
             .with_label_values(&label)
             .set(i64::try_from(stats.version).unwrap_or(i64::MAX));
+        self.tables[&name]
+            .unindexed
+            .fetch_add(stats.inserted, Ordering::Relaxed);
+        self.maybe_reindex(name).await?;
         Ok(stats)
     }
 
@@ -189,8 +264,9 @@ impl LanceSink {
     /// # Errors
     /// [`Error::Lance`] if an optimisation fails.
     pub async fn optimize(&self) -> Result<()> {
-        for (name, table) in self.tables.iter() {
-            table
+        for (name, state) in self.tables.iter() {
+            state
+                .table
                 .optimize(OptimizeAction::All)
                 .await
                 .map_err(Error::lance(format!("optimizing {}", name.as_str())))?;
@@ -283,12 +359,17 @@ mod tests {
     }
 
     async fn sink() -> (tempfile::TempDir, LanceSink) {
+        sink_with(500_000).await
+    }
+
+    async fn sink_with(reindex_rows: u64) -> (tempfile::TempDir, LanceSink) {
         let dir = tempfile::tempdir().unwrap();
         let cfg = crate::config::Config::load_with_env(None, [])
             .unwrap()
             .lancedb;
         let cfg = LanceDbConfig {
             uri: dir.path().to_str().unwrap().to_owned(),
+            reindex_rows,
             ..cfg
         };
         let sink = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
@@ -317,6 +398,40 @@ mod tests {
         s.write(TableName::Interactions, &more).await.unwrap();
         assert_eq!(count(&s, TableName::Interactions).await, 3);
         assert_eq!(s.metrics.total_rows_written(), 3);
+    }
+
+    #[tokio::test]
+    async fn key_index_is_created_and_kept_up_to_date() {
+        let (_dir, s) = sink_with(3).await;
+        let t = TableName::Interactions;
+        let first = batches(&[click("a"), click("b")]).interactions.unwrap();
+        s.write(t, &first).await.unwrap();
+        assert_eq!(
+            key_index(s.table(t), t).await.unwrap(),
+            None,
+            "below reindex_rows: no index yet"
+        );
+        let second = batches(&[click("c"), click("d")]).interactions.unwrap();
+        s.write(t, &second).await.unwrap();
+        assert!(
+            key_index(s.table(t), t).await.unwrap().is_some(),
+            "4 rows >= 3: indexed"
+        );
+        // Through the index, on indexed and unindexed fragments alike, replays add nothing.
+        let third = batches(&[click("e")]).interactions.unwrap();
+        s.write(t, &third).await.unwrap();
+        for b in [&first, &second, &third] {
+            let r = s.write(t, b).await.unwrap();
+            assert_eq!((r.inserted, r.updated), (0, 0));
+        }
+        assert_eq!(count(&s, t).await, 5);
+        let stats = s
+            .table(t)
+            .index_stats(key_index(s.table(t), t).await.unwrap().unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(stats.num_indexed_rows + stats.num_unindexed_rows, 5);
     }
 
     #[tokio::test]

@@ -447,6 +447,7 @@ impl SourceLoop {
             return Ok(());
         }
         let (records, bytes) = self.tracker.take();
+        tracing::debug!(records, bytes, reason = reason.as_str(), age = ?opened_at.elapsed(), "Batch cut.");
         let tables = p.builders.finish()?;
         let offsets = p
             .offsets

@@ -142,13 +142,24 @@ fn crash_restart_exact_counts() {
     };
     let config = cfg.write();
     let uri = cfg.lancedb_uri();
-    // Stream at ~400 events/s so every kill lands mid-stream.
-    let mut producer = produce(&topic, 4, &file, Some(400));
+    // Stream at ~150 events/s (about 53 s) so the kills land mid-stream. A
+    // restarted member first waits for the killed one's session to expire, so
+    // each round waits until this incarnation has written something, then
+    // kills it at a random moment up to a second later (mid-write, mid-commit,
+    // mid-poll: wherever it happens to be).
+    let mut producer = produce(&topic, 4, &file, Some(150));
     let mut rng = rand::rngs::StdRng::seed_from_u64(42);
-    let mut partial = 0;
+    let mut partial = std::collections::BTreeSet::new();
+    let mut before = 0;
     for round in 0..5 {
         let mut p = Pipeline::start(&config, None);
-        std::thread::sleep(Duration::from_millis(rng.random_range(3000..6000)));
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while try_sql_count(&uri, INTERACTIONS).unwrap_or(0) == before
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_millis(rng.random_range(0..1000)));
         p.kill9();
         let rows = sql_count(&uri, INTERACTIONS);
         eprintln!(
@@ -160,14 +171,18 @@ fn crash_restart_exact_counts() {
             sql_count(&uri, DISTINCT),
             "no duplicates even mid-stream"
         );
-        if rows > 0 && (rows as usize) < exp.interactions {
-            partial += 1;
+        if rows > before && (rows as usize) < exp.interactions {
+            partial.insert(rows);
+        }
+        before = rows;
+        if rows as usize == exp.interactions {
+            break;
         }
     }
     assert!(producer.wait().unwrap().success());
     assert!(
-        partial >= 2,
-        "at least two kills should land mid-stream (got {partial})"
+        partial.len() >= 3,
+        "at least three kills should land mid-stream, each after progress: {partial:?}"
     );
     let mut p = Pipeline::start(&config, Some("4s"));
     assert!(

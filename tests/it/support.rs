@@ -243,7 +243,7 @@ impl Pipeline {
             cmd.args(["--exit-when-idle", idle]);
         }
         let child = cmd
-            .env("STEAMRF_LOG", "info")
+            .env("STEAMRF_LOG", "warn,steamrf_pipelines=info")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -348,31 +348,31 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
     out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())
 }
 
-/// Runs SQL over the pipeline's tables and returns the first column of the first row.
-pub fn sql_count(uri: &str, sql: &str) -> i64 {
+/// Runs SQL over the pipeline's tables and returns the first column of the
+/// first row; `None` if the query fails (tables not created yet).
+pub fn try_sql_count(uri: &str, sql: &str) -> Option<i64> {
     let out = Command::new(steamrf_bin())
         .args(["sql", sql])
         .env("STEAMRF__LANCEDB__URI", uri)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "steamrf sql failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if !out.status.success() {
+        return None;
+    }
     let text = String::from_utf8(out.stdout).unwrap();
-    // | n |  pretty table: the 4th line holds the first value.
-    let row = text
-        .lines()
-        .nth(3)
-        .unwrap_or_else(|| panic!("unexpected sql output:\n{text}"));
+    // A pretty table: the 4th line holds the first value.
+    let row = text.lines().nth(3)?;
     row.trim_matches(|c| c == '|' || c == ' ')
         .split('|')
-        .next()
-        .unwrap()
+        .next()?
         .trim()
         .parse()
-        .unwrap()
+        .ok()
+}
+
+/// As [`try_sql_count`], failing the test if the query fails.
+pub fn sql_count(uri: &str, sql: &str) -> i64 {
+    try_sql_count(uri, sql).unwrap_or_else(|| panic!("steamrf sql {sql:?} failed on {uri}"))
 }
 
 /// Waits until `sql` over the tables returns `want`.
