@@ -128,10 +128,10 @@ fn kcat_rate(kcat: &PathBuf, brokers: &str, topic: &str, n: u64) -> Result<Rates
     let stdout = child.stdout.take().ok_or_else(|| Error::Internal {
         message: "no kcat stdout".into(),
     })?;
-    let mut lines = BufReader::with_capacity(1 << 20, stdout).split(b'\n');
+    let lines = BufReader::with_capacity(1 << 20, stdout).split(b'\n');
     let mut first = None;
     let mut count = 0u64;
-    while let Some(line) = lines.next() {
+    for line in lines {
         line.map_err(|source| Error::Io {
             context: "reading kcat output".into(),
             source,
@@ -143,8 +143,8 @@ fn kcat_rate(kcat: &PathBuf, brokers: &str, topic: &str, n: u64) -> Result<Rates
         }
     }
     let last = Instant::now();
-    let _ = child.kill();
-    let _ = child.wait();
+    child.kill().ok(); // it may have exited after printing n records
+    child.wait().ok();
     let first = first.ok_or_else(|| Error::Internal {
         message: "kcat printed no records".into(),
     })?;

@@ -267,7 +267,7 @@ impl Pipeline {
                 return s;
             }
             if Instant::now() > deadline {
-                let _ = self.child.kill();
+                self.child.kill().ok();
                 panic!(
                     "steamrf did not exit within {timeout:?}; log:\n{}",
                     self.log_text()
@@ -329,8 +329,8 @@ impl Pipeline {
 
 impl Drop for Pipeline {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.kill().ok();
+        self.child.wait().ok();
     }
 }
 
