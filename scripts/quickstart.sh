@@ -5,7 +5,7 @@
 # pipeline into ./data/lancedb until the topic is drained, and queries it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/steamrf/target}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${HOME:-/root}/.cache/steamrf/target}"
 scripts/tools.sh
 scripts/broker.sh start
 cargo build --locked --bin steamrf

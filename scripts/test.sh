@@ -6,7 +6,7 @@
 # LanceDB tables in temp dirs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/steamrf/target}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${HOME:-/root}/.cache/steamrf/target}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 start=$(date +%s)
 

@@ -163,9 +163,18 @@ async fn run_inner(
         })?;
     written?;
     source_result?;
-    // Re-commit the final positions synchronously before leaving the group.
-    if !committed.is_empty() {
-        let tpl = offsets_list(committed.iter().map(|((t, p), o)| (t.as_str(), *p, *o)))?;
+    // Re-commit the final positions synchronously before leaving the group,
+    // for the partitions still owned (another member may be ahead on the rest).
+    let assignment = consumer
+        .assignment()
+        .map_err(Error::kafka("reading the assignment"))?;
+    let owned: Vec<_> = committed
+        .iter()
+        .filter(|((t, p), _)| assignment.find_partition(t, *p).is_some())
+        .map(|((t, p), o)| (t.as_str(), *p, *o))
+        .collect();
+    if !owned.is_empty() {
+        let tpl = offsets_list(owned.into_iter())?;
         if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
             tracing::warn!(error = %e, "Final synchronous commit failed; the last batch may be replayed (writes are idempotent).");
         }
