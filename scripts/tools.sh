@@ -44,10 +44,11 @@ PY
 fi
 
 # Python client for tests and the quick start (confluent-kafka bundles librdkafka 2.x).
-if [ ! -x "$TOOLS/venv/bin/python" ] || ! "$TOOLS/venv/bin/python" -c "import confluent_kafka" 2>/dev/null; then
-  echo "steamrf: creating the Python venv with confluent-kafka"
+# numpy + threadpoolctl are the BLAS reference of `steamrf bench similarity`.
+if [ ! -x "$TOOLS/venv/bin/python" ] || ! "$TOOLS/venv/bin/python" -c "import confluent_kafka, numpy, threadpoolctl" 2>/dev/null; then
+  echo "steamrf: creating the Python venv (confluent-kafka, numpy, threadpoolctl)"
   python3 -m venv "$TOOLS/venv"
-  "$TOOLS/venv/bin/pip" install -q "confluent-kafka==2.16.1"
+  "$TOOLS/venv/bin/pip" install -q "confluent-kafka==2.16.1" "numpy==2.3.5" "threadpoolctl==3.6.0"
 fi
 lib=$(ls "$TOOLS"/venv/lib/python3*/site-packages/confluent_kafka.libs/librdkafka-*.so.1 | head -n1)
 ln -sf "$lib" "$TOOLS/lib/librdkafka.so.1"

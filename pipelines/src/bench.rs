@@ -298,3 +298,113 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     ));
     Ok(out)
 }
+
+/// Options of `steamrf bench similarity`.
+#[derive(Debug, Clone)]
+pub struct SimilarityBench {
+    /// Queries per call.
+    pub queries: usize,
+    /// Corpus rows.
+    pub corpus: usize,
+    /// Dimension.
+    pub dim: usize,
+    /// Hits per query.
+    pub k: usize,
+    /// Python with numpy and threadpoolctl (scripts/tools.sh installs one).
+    pub python: PathBuf,
+}
+
+/// `steamrf bench similarity`: GFLOP/s of the CPU kernel (top-k included)
+/// beside numpy's matmul (OpenBLAS) on the same shapes, in the same run.
+///
+/// # Errors
+/// Kernel input errors, or the numpy reference failing to run.
+pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
+    use rand::{Rng, SeedableRng};
+    use steamrf_kernels::{
+        Corpus, SearchParams, SimilarityKernel, cpu::CpuKernel, reference::ScalarKernel,
+    };
+    let internal = |e: steamrf_kernels::Error| Error::Internal {
+        message: e.to_string(),
+    };
+    let mut out = Vec::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut normal =
+        |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    let corpus = Corpus::from_vec(normal(b.corpus * b.dim), b.dim).map_err(internal)?;
+    let queries = normal(b.queries * b.dim);
+    let flops = 2.0 * b.queries as f64 * b.corpus as f64 * b.dim as f64;
+    let kernel = CpuKernel::default();
+    let params = SearchParams::top(b.k);
+    // Warm-up on a slice of the work (pages in the corpus, spins up the threads).
+    kernel
+        .top_k(&queries[..b.dim.min(queries.len())], &corpus, &params)
+        .map_err(internal)?;
+    let mut best = f64::INFINITY;
+    let mut hits = Vec::new();
+    for _ in 0..2 {
+        let t = Instant::now();
+        hits = kernel.top_k(&queries, &corpus, &params).map_err(internal)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let steamrf_gflops = flops / best / 1e9;
+    out.push(format!(
+        "steamrf cpu kernel ({} threads, blocks of {} rows x {} queries, top-{} fused): {best:.2} s, {steamrf_gflops:.1} GFLOP/s",
+        kernel.threads, kernel.block_rows, kernel.query_block, b.k
+    ));
+    // Spot-check against the scalar reference on a few queries and a corpus slice.
+    let sample_rows = b.corpus.min(20_000);
+    let sample =
+        Corpus::from_rows(&corpus.as_slice()[..sample_rows * b.dim], b.dim).map_err(internal)?;
+    let q4 = &queries[..(4 * b.dim).min(queries.len())];
+    let fast = kernel.top_k(q4, &sample, &params).map_err(internal)?;
+    let slow = ScalarKernel.top_k(q4, &sample, &params).map_err(internal)?;
+    let max_diff = fast
+        .iter()
+        .zip(&slow)
+        .flat_map(|(f, s)| f.iter().zip(s).map(|(a, b)| (a.score - b.score).abs()))
+        .fold(0.0f32, f32::max);
+    out.push(format!("  parity with the scalar reference (4 queries x {sample_rows} rows): max score difference {max_diff:.2e}; {} result lists", hits.len()));
+
+    let output = Command::new(&b.python)
+        .arg("scripts/blas_bench.py")
+        .args([
+            "--queries",
+            &b.queries.to_string(),
+            "--corpus",
+            &b.corpus.to_string(),
+        ])
+        .args(["--dim", &b.dim.to_string(), "--k", &b.k.to_string()])
+        // Those two slow a current OpenBLAS down; unset for this command only.
+        .env_remove("OPENBLAS_CORETYPE")
+        .env_remove("OPENBLAS_L2_SIZE")
+        .output()
+        .map_err(|source| Error::Io {
+            context: format!("running {}", b.python.display()),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(Error::Internal {
+            message: format!(
+                "blas_bench.py failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        });
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).map_err(|e| Error::Internal {
+            message: format!("blas_bench.py output: {e}"),
+        })?;
+    let blas_gflops = report["gemm_gflops"].as_f64().unwrap_or(f64::NAN);
+    out.push(format!(
+        "numpy matmul (GEMM only, corpus in blocks of 16384): {blas_gflops:.1} GFLOP/s; with a top-{} per block: {:.1} GFLOP/s; BLAS: {}",
+        b.k,
+        report["topk_gflops"].as_f64().unwrap_or(f64::NAN),
+        report["blas"]
+    ));
+    out.push(format!(
+        "RESULT steamrf_gflops={steamrf_gflops:.1} blas_gflops={blas_gflops:.1} ratio={:.3}",
+        steamrf_gflops / blas_gflops
+    ));
+    Ok(out)
+}

@@ -67,6 +67,24 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
+    Similarity {
+        /// Queries per call.
+        #[arg(long, default_value_t = 1000)]
+        queries: usize,
+        /// Corpus rows.
+        #[arg(long, default_value_t = 1_000_000)]
+        corpus: usize,
+        /// Dimension.
+        #[arg(long, default_value_t = 384)]
+        dim: usize,
+        /// Hits per query.
+        #[arg(long, default_value_t = 10)]
+        k: usize,
+        /// Python with numpy and threadpoolctl.
+        #[arg(long, default_value = ".tools/venv/bin/python")]
+        python: PathBuf,
+    },
     /// Events/s from Kafka into LanceDB, beside kcat's raw group-consume rate on the same topic.
     Ingest {
         /// Click events to produce and ingest.
@@ -156,6 +174,29 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             let config = Config::load(config.as_deref())?;
             let batches = sql::query(&config.lancedb, &query).await?;
             println!("{}", arrow_cast::pretty::pretty_format_batches(&batches)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Similarity {
+                    queries,
+                    corpus,
+                    dim,
+                    k,
+                    python,
+                },
+        } => {
+            let b = bench::SimilarityBench {
+                queries,
+                corpus,
+                dim,
+                k,
+                python,
+            };
+            let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
+            for l in lines {
+                println!("{l}");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {

@@ -1,0 +1,169 @@
+//! The CPU kernel: blocked GEMM (gemm's AVX2/AVX-512 micro-kernels, chosen at
+//! run time) with the top-k fused per block.
+//!
+//! The corpus is cut into blocks of `block_rows` rows; threads take blocks in
+//! turn. For each block and each chunk of `query_block` queries, one GEMM
+//! writes a `query_block × block_rows` score tile into a per-thread scratch
+//! buffer (2 MiB at the defaults, cache-resident), which is scanned at once
+//! into per-query top-k collectors. The full `queries × corpus` score matrix
+//! never exists, and the corpus is read in place (never copied per call).
+//!
+//! Measured on 2 cores (AVX-512): threads over corpus blocks beat gemm's own
+//! rayon parallelism inside bigger GEMMs (243 vs 187 GFLOP/s at 1000 × 200k ×
+//! 384), and 2048 × 256 tiles beat 16384 × 1000 ones. The hot crates must be
+//! built with optimisation, without debug assertions and overflow checks, in
+//! one codegen unit (see the workspace Cargo.toml): with the dev defaults the
+//! same code ran at 80 GFLOP/s.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use gemm::{Parallelism, gemm};
+
+use crate::{Backend, Corpus, Hit, Result, SearchParams, SimilarityKernel, TopK, prepare_queries};
+
+/// Blocked, multi-threaded CPU kernel.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuKernel {
+    /// Worker threads (default: available parallelism).
+    pub threads: usize,
+    /// Corpus rows per block.
+    pub block_rows: usize,
+    /// Queries per GEMM.
+    pub query_block: usize,
+}
+
+impl Default for CpuKernel {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            block_rows: 2048,
+            query_block: 256,
+        }
+    }
+}
+
+impl SimilarityKernel for CpuKernel {
+    fn backend(&self) -> Backend {
+        Backend::Cpu
+    }
+
+    fn top_k(
+        &self,
+        queries: &[f32],
+        corpus: &Corpus,
+        params: &SearchParams<'_>,
+    ) -> Result<Vec<Vec<Hit>>> {
+        let q = prepare_queries(queries, corpus, params)?;
+        let dim = corpus.dim();
+        let m = q.len() / dim;
+        let n = corpus.len();
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        if n == 0 || params.k == 0 {
+            return Ok(vec![Vec::new(); m]);
+        }
+        let block_rows = self.block_rows.max(1);
+        let query_block = self.query_block.max(1);
+        let blocks = n.div_ceil(block_rows);
+        let threads = self.threads.clamp(1, blocks);
+        let next = AtomicUsize::new(0);
+        let worker = || {
+            let mut heaps: Vec<TopK> = (0..m).map(|_| TopK::new(params.k)).collect();
+            let mut scratch = vec![0.0f32; query_block * block_rows];
+            loop {
+                let b = next.fetch_add(1, Ordering::Relaxed);
+                if b >= blocks {
+                    break;
+                }
+                let start = b * block_rows;
+                let rows = block_rows.min(n - start);
+                let block = &corpus.as_slice()[start * dim..(start + rows) * dim];
+                for q0 in (0..m).step_by(query_block) {
+                    let qs = query_block.min(m - q0);
+                    let lhs = &q[q0 * dim..(q0 + qs) * dim];
+                    tile(&mut scratch[..qs * rows], lhs, block, qs, rows, dim);
+                    for (i, scores) in scratch[..qs * rows].chunks_exact(rows).enumerate() {
+                        let qi = q0 + i;
+                        scan(&mut heaps[qi], scores, start, qi, params);
+                    }
+                }
+            }
+            heaps
+        };
+        let mut per_thread: Vec<Vec<TopK>> = if threads == 1 {
+            vec![worker()]
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = (0..threads).map(|_| s.spawn(worker)).collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("kernel worker panicked"))
+                    .collect()
+            })
+        };
+        let mut merged = per_thread.pop().unwrap_or_default();
+        for other in per_thread {
+            for (a, b) in merged.iter_mut().zip(other) {
+                a.merge(b);
+            }
+        }
+        Ok(merged.into_iter().map(TopK::into_sorted).collect())
+    }
+}
+
+/// `dst (qs × rows) = lhs (qs × dim) · blockᵀ (dim × rows)`, all row-major.
+fn tile(dst: &mut [f32], lhs: &[f32], block: &[f32], qs: usize, rows: usize, dim: usize) {
+    assert!(dst.len() == qs * rows && lhs.len() == qs * dim && block.len() == rows * dim);
+    // SAFETY: the assert above bounds every access: dst is qs×rows with row
+    // stride `rows` and column stride 1; lhs is qs×dim with row stride `dim`;
+    // the right-hand side reads block[j*dim + p] for p < dim, j < rows (row
+    // stride 1, column stride `dim`). The three slices do not overlap (dst is
+    // the only mutable borrow), and gemm reads nothing else.
+    unsafe {
+        gemm(
+            qs,
+            rows,
+            dim,
+            dst.as_mut_ptr(),
+            1,
+            rows as isize,
+            false,
+            lhs.as_ptr(),
+            1,
+            dim as isize,
+            block.as_ptr(),
+            dim as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+/// Feeds one query's scores over one block into its collector.
+#[inline]
+fn scan(heap: &mut TopK, scores: &[f32], start: usize, qi: usize, params: &SearchParams<'_>) {
+    let mut threshold = heap.threshold().max(params.min_score);
+    for (j, &score) in scores.iter().enumerate() {
+        // `>=` keeps ties; the collector breaks them by index.
+        if score >= threshold {
+            let ci = start + j;
+            if params.exclude.is_some_and(|f| f(qi, ci)) {
+                continue;
+            }
+            heap.push(Hit {
+                index: ci as u32,
+                score,
+            });
+            threshold = heap.threshold().max(params.min_score);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
