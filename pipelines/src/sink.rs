@@ -225,10 +225,20 @@ impl LanceSink {
         }
         let schema = batch.schema();
         let reader = RecordBatchIterator::new([Ok(batch)], schema);
-        let r = merge
-            .execute(Box::new(reader))
-            .await
-            .map_err(Error::lance(format!("writing {}", name.as_str())))?;
+        let r = match merge.execute(Box::new(reader)).await {
+            Ok(r) => r,
+            Err(e) => {
+                // Lance retries plain commit conflicts itself; what reaches us
+                // may be a conflict with a concurrent Overwrite (two instances
+                // creating the table at once), which no retry from this read
+                // version can resolve. Move the handle to the latest version
+                // so the caller's retry starts from there.
+                if let Err(refresh) = table.checkout_latest().await {
+                    tracing::warn!(table = name.as_str(), error = %refresh, "Could not refresh the table handle.");
+                }
+                return Err(Error::lance(format!("writing {}", name.as_str()))(e));
+            }
+        };
         let stats = WriteStats {
             inserted: r.num_inserted_rows,
             updated: r.num_updated_rows,
@@ -432,6 +442,40 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(stats.num_indexed_rows + stats.num_unindexed_rows, 5);
+    }
+
+    /// Regression (seen in the two-instance e2e test): two instances creating
+    /// the tables at once left one with a handle that every retry failed on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_creators_both_write() {
+        for round in 0..6 {
+            let dir = tempfile::tempdir().unwrap();
+            let cfg = crate::config::Config::load_with_env(None, [])
+                .unwrap()
+                .lancedb;
+            let cfg = LanceDbConfig {
+                uri: dir.path().to_str().unwrap().to_owned(),
+                ..cfg
+            };
+            let (a, b) = tokio::join!(
+                LanceSink::open(&cfg, Metrics::new(&[])),
+                LanceSink::open(&cfg, Metrics::new(&[]))
+            );
+            let (a, b) = (a.unwrap(), b.unwrap());
+            for (s, id) in [(&a, "a"), (&b, "b")] {
+                let batch = batches(&[item(id, 1000, "t")]).items.unwrap();
+                let mut attempt = 0;
+                while let Err(e) = s.write(TableName::Items, &batch).await {
+                    attempt += 1;
+                    assert!(attempt < 3, "round {round}: {id} keeps failing: {e:#}");
+                }
+            }
+            assert_eq!(
+                count(&a, TableName::Items).await,
+                1,
+                "round {round}: same item_id"
+            );
+        }
     }
 
     #[tokio::test]

@@ -244,8 +244,12 @@ fn two_instances_share_then_hand_over() {
     );
     produce_all(&topic, 4, &f1);
     wait_count(&uri, INTERACTIONS, e1.interactions as i64, long);
-    let a_rows = a.metric("steamrf_sink_rows_written_total").unwrap();
-    let b_rows = b.metric("steamrf_sink_rows_written_total").unwrap();
+    let a_rows = a
+        .metric("steamrf_sink_rows_written_total")
+        .unwrap_or_else(|| panic!("a is gone; log:\n{}", a.log_text()));
+    let b_rows = b
+        .metric("steamrf_sink_rows_written_total")
+        .unwrap_or_else(|| panic!("b is gone; log:\n{}", b.log_text()));
     assert!(
         a_rows > 0.0 && b_rows > 0.0,
         "both members wrote: a={a_rows} b={b_rows}"
