@@ -165,14 +165,10 @@ async fn run_inner(
     source_result?;
     // Re-commit the final positions synchronously before leaving the group,
     // for the partitions still owned (another member may be ahead on the rest).
-    let assignment = consumer
-        .assignment()
-        .map_err(Error::kafka("reading the assignment"))?;
-    let owned: Vec<_> = committed
-        .iter()
-        .filter(|((t, p), _)| assignment.find_partition(t, *p).is_some())
-        .map(|((t, p), o)| (t.as_str(), *p, *o))
-        .collect();
+    let owned = owned_offsets(
+        &consumer,
+        committed.iter().map(|((t, p), o)| (t.as_str(), *p, *o)),
+    )?;
     if !owned.is_empty() {
         let tpl = offsets_list(owned.into_iter())?;
         if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
@@ -186,6 +182,19 @@ async fn run_inner(
         "Pipeline drained and stopped."
     );
     Ok(summary)
+}
+
+/// The offsets among `offsets` whose partitions this member still owns.
+fn owned_offsets<'a>(
+    consumer: &KafkaConsumer,
+    offsets: impl Iterator<Item = (&'a str, i32, i64)>,
+) -> Result<Vec<(&'a str, i32, i64)>> {
+    let assignment = consumer
+        .assignment()
+        .map_err(Error::kafka("reading the assignment"))?;
+    Ok(offsets
+        .filter(|(t, p, _)| assignment.find_partition(t, *p).is_some())
+        .collect())
 }
 
 fn offsets_list<'a>(
@@ -247,15 +256,10 @@ async fn write_batch(
     }
     // Commit only partitions we still own: after a rebalance the new owner
     // re-reads from the last commit, and our writes were idempotent anyway.
-    let assignment = consumer
-        .assignment()
-        .map_err(Error::kafka("reading the assignment"))?;
-    let owned: Vec<_> = batch
-        .offsets
-        .iter()
-        .filter(|(t, p, _)| assignment.find_partition(t, *p).is_some())
-        .map(|(t, p, o)| (t.as_str(), *p, *o))
-        .collect();
+    let owned = owned_offsets(
+        consumer,
+        batch.offsets.iter().map(|(t, p, o)| (t.as_str(), *p, *o)),
+    )?;
     if !owned.is_empty() {
         let tpl = offsets_list(owned.iter().copied())?;
         match consumer.commit(&tpl, CommitMode::Async) {

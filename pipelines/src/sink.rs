@@ -368,19 +368,26 @@ mod tests {
         )
     }
 
+    /// The default LanceDB settings, pointed at `dir`.
+    fn lancedb_config(dir: &std::path::Path) -> LanceDbConfig {
+        let defaults = crate::config::Config::load_with_env(None, [])
+            .unwrap()
+            .lancedb;
+        LanceDbConfig {
+            uri: dir.to_str().unwrap().to_owned(),
+            ..defaults
+        }
+    }
+
     async fn sink() -> (tempfile::TempDir, LanceSink) {
         sink_with(500_000).await
     }
 
     async fn sink_with(reindex_rows: u64) -> (tempfile::TempDir, LanceSink) {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = crate::config::Config::load_with_env(None, [])
-            .unwrap()
-            .lancedb;
         let cfg = LanceDbConfig {
-            uri: dir.path().to_str().unwrap().to_owned(),
             reindex_rows,
-            ..cfg
+            ..lancedb_config(dir.path())
         };
         let sink = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
         (dir, sink)
@@ -450,13 +457,7 @@ mod tests {
     async fn concurrent_creators_both_write() {
         for round in 0..6 {
             let dir = tempfile::tempdir().unwrap();
-            let cfg = crate::config::Config::load_with_env(None, [])
-                .unwrap()
-                .lancedb;
-            let cfg = LanceDbConfig {
-                uri: dir.path().to_str().unwrap().to_owned(),
-                ..cfg
-            };
+            let cfg = lancedb_config(dir.path());
             let (a, b) = tokio::join!(
                 LanceSink::open(&cfg, Metrics::new(&[])),
                 LanceSink::open(&cfg, Metrics::new(&[]))
@@ -512,13 +513,7 @@ mod tests {
     async fn reopening_checks_the_schema() {
         let (dir, s) = sink().await;
         drop(s);
-        let cfg = crate::config::Config::load_with_env(None, [])
-            .unwrap()
-            .lancedb;
-        let cfg = LanceDbConfig {
-            uri: dir.path().to_str().unwrap().to_owned(),
-            ..cfg
-        };
+        let cfg = lancedb_config(dir.path());
         LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
         let db = connect(&cfg).await.unwrap();
         db.drop_table("profiles", &[]).await.unwrap();
