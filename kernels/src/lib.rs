@@ -18,6 +18,7 @@
 #![deny(missing_docs)]
 
 pub mod cpu;
+pub mod nn;
 pub mod reference;
 mod topk;
 

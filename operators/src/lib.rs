@@ -1,6 +1,9 @@
 //! Streaming operators for steamrf.
 //!
-//! Today this crate holds the micro-batching policy shared by every stage
+//! - [`embed`]: text embeddings (all-MiniLM-L6-v2 in process, or an
+//!   OpenAI-compatible endpoint).
+//!
+//! It holds the micro-batching policy shared by every stage
 //! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
 //! it reaches `max_rows`, `max_bytes`, or has been open for `linger`.
 //! The STEAM write-path operators (formation, consolidation, communities)
@@ -10,3 +13,4 @@
 #![deny(missing_docs)]
 
 pub mod batch;
+pub mod embed;

@@ -1,0 +1,344 @@
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::*;
+
+/// The real all-MiniLM-L6-v2, fetched by `scripts/tools.sh`.
+fn model_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("STEAMRF_MODEL_DIR") {
+        return PathBuf::from(dir);
+    }
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/models/all-MiniLM-L6-v2");
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "the MiniLM model is missing at {}: run scripts/tools.sh (or set STEAMRF_MODEL_DIR)",
+        dir.display()
+    );
+    dir
+}
+
+fn model() -> MiniLm {
+    MiniLm::load(&model_dir(), MiniLmOptions::default()).unwrap()
+}
+
+#[derive(Deserialize)]
+struct Reference {
+    sentences: Vec<String>,
+    token_ids: Vec<Vec<u32>>,
+    vectors: Vec<Vec<f32>>,
+}
+
+fn reference() -> Reference {
+    serde_json::from_str(include_str!("testdata/minilm-reference.json")).unwrap()
+}
+
+fn check_parity(got: &[f32], want: &[f32], what: &str) {
+    let max_abs = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let cos: f32 = got.iter().zip(want).map(|(a, b)| a * b).sum();
+    assert!(max_abs <= 1e-5, "{what}: max abs difference {max_abs}");
+    assert!(cos >= 0.9999, "{what}: cosine {cos}");
+}
+
+#[test]
+fn tokenizer_matches_sentence_transformers_including_truncation_at_256() {
+    let m = model();
+    let r = reference();
+    for (s, want) in r.sentences.iter().zip(&r.token_ids) {
+        assert_eq!(&m.token_ids(s).unwrap(), want, "{s}");
+    }
+    // The long sentence is 287 tokens before truncation.
+    assert!(r.token_ids.iter().any(|t| t.len() == 256));
+}
+
+#[test]
+fn embeddings_match_the_reference_batched_and_one_at_a_time() {
+    let r = reference();
+    let texts: Vec<&str> = r.sentences.iter().map(String::as_str).collect();
+    for backend in [Backend::Native, Backend::Candle] {
+        for batch_size in [32, 3] {
+            let m = MiniLm::load(
+                &model_dir(),
+                MiniLmOptions {
+                    backend,
+                    batch_size,
+                    ..MiniLmOptions::default()
+                },
+            )
+            .unwrap();
+            let batched = m.embed_sync(&texts).unwrap();
+            assert_eq!(batched.len(), texts.len());
+            assert_eq!(batched.dim, MINILM_DIM);
+            assert_eq!(
+                batched.truncated, 1,
+                "one reference sentence exceeds 256 tokens"
+            );
+            for (i, want) in r.vectors.iter().enumerate() {
+                let what = format!("{backend:?}, batches of {batch_size}, #{i}");
+                check_parity(batched.row(i), want, &what);
+                if batch_size == 32 {
+                    let single = m.embed_sync(&texts[i..=i]).unwrap();
+                    check_parity(single.row(0), want, &format!("{what} alone"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_and_huge_texts_are_embedded_and_truncation_is_counted() {
+    let m = model();
+    let huge = "lorem ipsum dolor sit amet ".repeat(50_000); // 1.35 MB
+    // 10,000 words (each an [UNK]) in 50 KB: cut by the tokenizer, not by clipping.
+    let emoji = "🎷 ".repeat(10_000);
+    let out = m.embed_sync(&["", &huge, &emoji, "jazz"]).unwrap();
+    assert_eq!(out.len(), 4);
+    assert_eq!(out.truncated, 2);
+    for i in 0..4 {
+        let norm: f32 = out.row(i).iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4, "row {i} norm {norm}");
+        assert!(out.row(i).iter().all(|x| x.is_finite()));
+    }
+    // [CLS] [SEP] for the empty text, 256 for each cut one, 3 for "jazz".
+    assert_eq!(out.tokens, 2 + 256 + 256 + 3);
+    assert!(m.embed_sync(&[]).unwrap().is_empty());
+}
+
+#[test]
+fn clip_bytes_respects_char_boundaries() {
+    assert_eq!(clip_bytes("héllo", 2), "h");
+    assert_eq!(clip_bytes("héllo", 3), "hé");
+    assert_eq!(clip_bytes("abc", 10), "abc");
+}
+
+#[test]
+fn load_errors_name_the_file() {
+    let dir = tempfile_dir();
+    let err = MiniLm::load(&dir, MiniLmOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("config.json"), "{err}");
+}
+
+fn tempfile_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("steamrf-embed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn local_embedder_runs_off_the_runtime_and_keeps_order() {
+    let r = reference();
+    let emb = LocalEmbedder::start(model(), 2, 4).unwrap();
+    let rt = runtime();
+    let results = rt.block_on(async {
+        let futs = r.sentences.iter().map(|s| emb.embed(vec![s.clone()]));
+        futures::future::join_all(futs).await
+    });
+    for (i, res) in results.into_iter().enumerate() {
+        check_parity(res.unwrap().row(0), &r.vectors[i], &format!("local #{i}"));
+    }
+    assert_eq!(emb.stats().texts.load(Ordering::Relaxed), 20);
+    assert_eq!(emb.stats().truncated.load(Ordering::Relaxed), 1);
+}
+
+// --- The remote client against a local fake OpenAI-compatible server. ---
+
+#[derive(Default)]
+struct Fake {
+    /// Answer this many requests with `fail_status` before succeeding.
+    failures_left: AtomicUsize,
+    fail_status: u16,
+    /// Sleep this long before answering (to trigger client timeouts).
+    delay_ms: u64,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    requests: AtomicUsize,
+}
+
+/// A deterministic vector per text (not normalised: the client must do it).
+fn fake_vector(text: &str) -> Vec<f32> {
+    let mut v = vec![0.0f32; 4];
+    v[text.len() % 4] = 2.0;
+    v
+}
+
+async fn fake_server(fake: Arc<Fake>) -> String {
+    use axum::body::Bytes;
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+
+    let app = axum::Router::new().route(
+        "/v1/embeddings",
+        axum::routing::post(move |body: Bytes| {
+            let fake = fake.clone();
+            async move {
+                fake.requests.fetch_add(1, Ordering::SeqCst);
+                let now = fake.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                fake.max_in_flight.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(fake.delay_ms.max(20))).await;
+                fake.in_flight.fetch_sub(1, Ordering::SeqCst);
+                let failing = fake
+                    .failures_left
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                if failing {
+                    let status = StatusCode::from_u16(fake.fail_status).unwrap();
+                    return (status, "{\"error\":\"try later\"}".to_owned()).into_response();
+                }
+                let req: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                let inputs = req["input"].as_array().unwrap();
+                // Answer in reverse order with explicit indices.
+                let data: Vec<_> = inputs
+                    .iter()
+                    .enumerate()
+                    .rev()
+                    .map(|(i, t)| serde_json::json!({"index": i, "embedding": fake_vector(t.as_str().unwrap())}))
+                    .collect();
+                let body = serde_json::json!({"data": data, "usage": {"prompt_tokens": inputs.len() * 3}});
+                (StatusCode::OK, body.to_string()).into_response()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+fn remote_opts(url: String) -> RemoteOptions {
+    RemoteOptions {
+        url,
+        model: "fake".into(),
+        dim: 4,
+        timeout: Duration::from_millis(500),
+        max_attempts: 4,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+        max_in_flight: 2,
+        max_batch: 3,
+        api_key: Some("secret".into()),
+    }
+}
+
+#[test]
+fn remote_embedder_splits_orders_normalises_and_caps_in_flight() {
+    let rt = runtime();
+    rt.block_on(async {
+        let fake = Arc::new(Fake::default());
+        let url = fake_server(fake.clone()).await;
+        let emb = RemoteEmbedder::new(remote_opts(url)).unwrap();
+        let texts: Vec<String> = (0..10).map(|i| "x".repeat(i)).collect();
+        let out = emb.embed(texts.clone()).await.unwrap();
+        assert_eq!(out.len(), 10);
+        for (i, t) in texts.iter().enumerate() {
+            let mut want = fake_vector(t);
+            normalize(&mut want);
+            assert_eq!(out.row(i), want.as_slice(), "row {i}");
+        }
+        assert_eq!(out.tokens, 30);
+        // 10 inputs in requests of 3 → 4 requests, at most 2 at once.
+        assert_eq!(fake.requests.load(Ordering::SeqCst), 4);
+        assert!(fake.max_in_flight.load(Ordering::SeqCst) <= 2);
+        assert_eq!(fake.max_in_flight.load(Ordering::SeqCst), 2);
+    });
+}
+
+#[test]
+fn remote_embedder_retries_429_and_5xx_then_succeeds() {
+    let rt = runtime();
+    rt.block_on(async {
+        for status in [429, 503] {
+            let fake = Arc::new(Fake {
+                failures_left: AtomicUsize::new(2),
+                fail_status: status,
+                ..Fake::default()
+            });
+            let url = fake_server(fake.clone()).await;
+            let emb = RemoteEmbedder::new(remote_opts(url)).unwrap();
+            let out = emb.embed(vec!["a".into()]).await.unwrap();
+            assert_eq!(out.len(), 1);
+            assert_eq!(emb.stats().retries.load(Ordering::Relaxed), 2, "{status}");
+        }
+    });
+}
+
+#[test]
+fn remote_embedder_gives_up_with_an_error_and_never_drops_a_batch() {
+    let rt = runtime();
+    rt.block_on(async {
+        // Always 500: the error comes back after max_attempts, retryable.
+        let fake = Arc::new(Fake {
+            failures_left: AtomicUsize::new(usize::MAX),
+            fail_status: 500,
+            ..Fake::default()
+        });
+        let url = fake_server(fake.clone()).await;
+        let emb = RemoteEmbedder::new(remote_opts(url)).unwrap();
+        let err = emb.embed(vec!["a".into()]).await.unwrap_err();
+        assert!(err.retryable(), "{err}");
+        assert!(err.to_string().contains("500"), "{err}");
+        assert_eq!(fake.requests.load(Ordering::SeqCst), 4);
+        assert_eq!(emb.stats().failures.load(Ordering::Relaxed), 1);
+
+        // 400 is the caller's fault: no retry.
+        let fake = Arc::new(Fake {
+            failures_left: AtomicUsize::new(usize::MAX),
+            fail_status: 400,
+            ..Fake::default()
+        });
+        let url = fake_server(fake.clone()).await;
+        let emb = RemoteEmbedder::new(remote_opts(url)).unwrap();
+        let err = emb.embed(vec!["a".into()]).await.unwrap_err();
+        assert!(!err.retryable(), "{err}");
+        assert_eq!(fake.requests.load(Ordering::SeqCst), 1);
+
+        // A server slower than the timeout: retried, then a timeout error.
+        let fake = Arc::new(Fake {
+            delay_ms: 2_000,
+            ..Fake::default()
+        });
+        let url = fake_server(fake.clone()).await;
+        let emb = RemoteEmbedder::new(RemoteOptions {
+            timeout: Duration::from_millis(100),
+            max_attempts: 2,
+            ..remote_opts(url)
+        })
+        .unwrap();
+        let err = emb.embed(vec!["a".into()]).await.unwrap_err();
+        assert!(
+            err.retryable() && err.to_string().contains("timed out"),
+            "{err}"
+        );
+        assert_eq!(fake.requests.load(Ordering::SeqCst), 2);
+    });
+}
+
+#[test]
+fn remote_embedder_rejects_a_wrong_dimension() {
+    let rt = runtime();
+    rt.block_on(async {
+        let fake = Arc::new(Fake::default());
+        let url = fake_server(fake).await;
+        let emb = RemoteEmbedder::new(RemoteOptions {
+            dim: 384,
+            ..remote_opts(url)
+        })
+        .unwrap();
+        let err = emb.embed(vec!["a".into()]).await.unwrap_err();
+        assert!(err.to_string().contains("expected 384"), "{err}");
+    });
+}
