@@ -408,3 +408,309 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
     ));
     Ok(out)
 }
+
+/// Options of `steamrf bench embed`.
+#[derive(Debug, Clone)]
+pub struct EmbedBench {
+    /// Texts to embed (generated unless `corpus` is given).
+    pub texts: usize,
+    /// One text per line, instead of the generated corpus.
+    pub corpus: Option<PathBuf>,
+    /// The embedding configuration (model directory, batch size, workers).
+    pub config: crate::config::EmbedConfig,
+    /// Texts per embed call (the pipeline's micro-batch of dialogue turns).
+    pub chunk: usize,
+    /// Skip the sentence-transformers reference.
+    pub no_reference: bool,
+}
+
+const WORDS: &[&str] = &[
+    "I",
+    "really",
+    "liked",
+    "the",
+    "new",
+    "album",
+    "by",
+    "that",
+    "jazz",
+    "band",
+    "and",
+    "want",
+    "something",
+    "similar",
+    "for",
+    "a",
+    "long",
+    "drive",
+    "tonight",
+    "my",
+    "sister",
+    "recommended",
+    "movie",
+    "about",
+    "space",
+    "travel",
+    "with",
+    "great",
+    "soundtrack",
+    "but",
+    "ending",
+    "was",
+    "too",
+    "slow",
+    "can",
+    "you",
+    "suggest",
+    "books",
+    "on",
+    "history",
+    "of",
+    "Rome",
+    "or",
+    "ancient",
+    "Greece",
+    "prefer",
+    "acoustic",
+    "guitar",
+    "over",
+    "electronic",
+    "music",
+    "when",
+    "working",
+    "last",
+    "week",
+    "bought",
+    "running",
+    "shoes",
+    "they",
+    "are",
+    "comfortable",
+    "looking",
+    "waterproof",
+    "jacket",
+    "hiking",
+    "in",
+    "autumn",
+    "kids",
+    "love",
+    "animated",
+    "films",
+    "from",
+    "Japan",
+    "classic",
+    "rock",
+    "vinyl",
+    "records",
+    "collection",
+    "is",
+    "growing",
+    "fast",
+    "do",
+    "have",
+    "any",
+    "thrillers",
+    "set",
+    "Scandinavia",
+    "coffee",
+    "beans",
+    "dark",
+    "roast",
+    "espresso",
+    "machine",
+    "broke",
+    "again",
+    "need",
+    "quiet",
+    "dishwasher",
+    "small",
+    "kitchen",
+    "favourite",
+    "director",
+    "makes",
+    "black",
+    "white",
+    "dramas",
+    "not",
+    "fan",
+    "horror",
+    "comedies",
+    "romantic",
+    "period",
+    "pieces",
+    "Victorian",
+    "England",
+    "science",
+    "fiction",
+    "novels",
+    "robots",
+    "artificial",
+    "intelligence",
+    "this",
+    "podcast",
+    "covers",
+    "economics",
+    "politics",
+    "weekly",
+    "subscription",
+    "cancelled",
+    "because",
+    "price",
+    "went",
+    "up",
+    "headphones",
+    "noise",
+    "cancelling",
+    "battery",
+    "life",
+];
+
+/// A deterministic corpus of dialogue-like turns and item texts, 4 to 48
+/// words long (about 6 to 60 tokens).
+pub fn bench_texts(n: usize, seed: u64) -> Vec<String> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            if i % 4 == 3 {
+                let w = |rng: &mut rand::rngs::StdRng| WORDS[rng.random_range(0..WORDS.len())];
+                format!(
+                    "{} {} {}. Categories: {}, {}.",
+                    w(&mut rng),
+                    w(&mut rng),
+                    w(&mut rng),
+                    w(&mut rng),
+                    w(&mut rng)
+                )
+            } else {
+                let len = rng.random_range(4..=48);
+                let mut s: Vec<&str> = (0..len)
+                    .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+                    .collect();
+                s.push(".");
+                s.join(" ")
+            }
+        })
+        .collect()
+}
+
+/// `steamrf bench embed`: sentences/s of the in-process embedder through the
+/// pipeline's async interface, beside sentence-transformers on torch on the
+/// same texts and model directory, in the same run.
+///
+/// # Errors
+/// The model failing to load, or the reference failing to run.
+pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
+    use crate::config::EmbedEngine;
+    let mut out = Vec::new();
+    let texts = match &b.corpus {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|source| Error::Io {
+                context: format!("reading {}", path.display()),
+                source,
+            })?
+            .lines()
+            .take(b.texts)
+            .map(str::to_owned)
+            .collect(),
+        None => bench_texts(b.texts, 42),
+    };
+    let mut cfg = b.config.clone();
+    cfg.engine = EmbedEngine::Local;
+    let embedder = crate::embed::embedder(&cfg)?.ok_or_else(|| Error::Internal {
+        message: "no embedder".into(),
+    })?;
+    let err = |e: steamrf_operators::embed::EmbedError| Error::Internal {
+        message: e.to_string(),
+    };
+    // Warm-up (first-touch of the weights, thread start).
+    embedder
+        .embed(texts.iter().take(64).cloned().collect())
+        .await
+        .map_err(err)?;
+    let mut best = f64::INFINITY;
+    let mut vectors = Vec::new();
+    let mut tokens = 0;
+    for _ in 0..2 {
+        let t = Instant::now();
+        // Every chunk is submitted at once, as the pipeline's stage does with
+        // its micro-batches; the workers take them in turn.
+        let calls = texts
+            .chunks(b.chunk.max(1))
+            .map(|c| embedder.embed(c.to_vec()));
+        let results = futures::future::join_all(calls).await;
+        let secs = t.elapsed().as_secs_f64();
+        vectors.clear();
+        tokens = 0;
+        for r in results {
+            let r = r.map_err(err)?;
+            tokens += r.tokens;
+            vectors.extend(r.vectors);
+        }
+        best = best.min(secs);
+    }
+    let steamrf = texts.len() as f64 / best;
+    out.push(format!(
+        "steamrf ({:?} forward pass, {} worker(s), batches of {}, length-sorted): {} texts, {:.1} tokens/text, {best:.2} s, {steamrf:.1} sentences/s",
+        cfg.backend,
+        crate::embed::workers(&cfg),
+        cfg.batch_size,
+        texts.len(),
+        tokens as f64 / texts.len() as f64
+    ));
+    if b.no_reference {
+        out.push(format!(
+            "RESULT steamrf_sentences_per_s={steamrf:.1} reference_sentences_per_s=nan ratio=nan"
+        ));
+        return Ok(out);
+    }
+    let file = tempfile::NamedTempFile::new().map_err(|source| Error::Io {
+        context: "creating a temp file".into(),
+        source,
+    })?;
+    std::fs::write(file.path(), texts.join("\n")).map_err(|source| Error::Io {
+        context: "writing the texts".into(),
+        source,
+    })?;
+    let output = Command::new("scripts/st-reference.sh")
+        .arg("--texts")
+        .arg(file.path())
+        .arg("--model")
+        .arg(&cfg.model_dir)
+        .args(["--batch-size", &cfg.batch_size.to_string()])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|source| Error::Io {
+            context: "running scripts/st-reference.sh".into(),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(Error::Internal {
+            message: "scripts/st-reference.sh failed (see above)".into(),
+        });
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).map_err(|e| Error::Internal {
+            message: format!("st_bench.py output: {e}"),
+        })?;
+    let reference = report["sentences_per_s"].as_f64().unwrap_or(f64::NAN);
+    let dim = embedder.dim();
+    let mut max_diff = 0.0f32;
+    if let Some(vs) = report["vectors"].as_array() {
+        for (i, v) in vs.iter().enumerate() {
+            for (j, x) in v.as_array().into_iter().flatten().enumerate() {
+                let x = x.as_f64().unwrap_or(f64::NAN) as f32;
+                max_diff = max_diff.max((x - vectors[i * dim + j]).abs());
+            }
+        }
+    }
+    out.push(format!(
+        "sentence-transformers {} (torch {}, {} threads, batch {}): {reference:.1} sentences/s; max abs difference over the first 50 vectors: {max_diff:.1e}",
+        "6.2.0", report["torch"].as_str().unwrap_or("?"), report["threads"], cfg.batch_size
+    ));
+    out.push(format!(
+        "RESULT steamrf_sentences_per_s={steamrf:.1} reference_sentences_per_s={reference:.1} ratio={:.3}",
+        steamrf / reference
+    ));
+    Ok(out)
+}

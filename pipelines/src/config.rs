@@ -36,6 +36,96 @@ pub struct Config {
     pub batch: BatchConfig,
     /// The LanceDB sink.
     pub lancedb: LanceDbConfig,
+    /// Embeddings of dialogue turns and items.
+    pub embed: EmbedConfig,
+}
+
+/// Which embedding engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbedEngine {
+    /// all-MiniLM-L6-v2 in process.
+    Local,
+    /// An OpenAI-compatible `/v1/embeddings` endpoint.
+    Remote,
+    /// Nothing is embedded; embedding columns stay null.
+    Off,
+}
+
+/// Which forward pass the local engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbedBackend {
+    /// steamrf's own, on the kernels crate.
+    Native,
+    /// candle-transformers' BertModel.
+    Candle,
+}
+
+/// `[embed]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbedConfig {
+    /// Engine.
+    pub engine: EmbedEngine,
+    /// Model directory for the local engine.
+    pub model_dir: String,
+    /// Longest input in tokens (longer texts are cut and counted).
+    pub max_tokens: usize,
+    /// Texts per forward pass (local engine).
+    pub batch_size: usize,
+    /// Worker threads running the local model (0: one per core).
+    pub workers: usize,
+    /// The local forward pass.
+    pub backend: EmbedBackend,
+    /// Embedding jobs queued for the workers.
+    pub queue: usize,
+    /// How an item becomes text.
+    pub item_template: String,
+    /// The remote engine.
+    pub remote: RemoteEmbedConfig,
+}
+
+/// `[embed.remote]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteEmbedConfig {
+    /// Base URL or full `/v1/embeddings` URL.
+    pub url: String,
+    /// The `model` field of each request.
+    pub model: String,
+    /// Bearer token (empty: none).
+    pub api_key: String,
+    /// Per-request timeout.
+    #[serde(with = "humantime_serde_compat")]
+    pub timeout: Duration,
+    /// Attempts per request.
+    pub max_attempts: u32,
+    /// Requests in flight.
+    pub max_in_flight: usize,
+    /// Inputs per request.
+    pub max_batch: usize,
+}
+
+impl fmt::Debug for RemoteEmbedConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteEmbedConfig")
+            .field("url", &self.url)
+            .field("model", &self.model)
+            .field(
+                "api_key",
+                &if self.api_key.is_empty() {
+                    ""
+                } else {
+                    "<redacted>"
+                },
+            )
+            .field("timeout", &self.timeout)
+            .field("max_attempts", &self.max_attempts)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_batch", &self.max_batch)
+            .finish()
+    }
 }
 
 /// `[kafka]`
@@ -354,9 +444,9 @@ fn layered(
 fn typed(table: Table) -> Result<Config, Vec<String>> {
     let mut problems = Vec::new();
     for k in table.keys() {
-        if !["kafka", "batch", "lancedb"].contains(&k.as_str()) {
+        if !["kafka", "batch", "lancedb", "embed"].contains(&k.as_str()) {
             problems.push(format!(
-                "unknown section `{k}` (expected kafka, batch, lancedb)"
+                "unknown section `{k}` (expected kafka, batch, lancedb, embed)"
             ));
         }
     }
@@ -380,12 +470,16 @@ fn typed(table: Table) -> Result<Config, Vec<String>> {
     let kafka = section::<KafkaConfig>(&table, "kafka", &mut problems);
     let batch = section::<BatchConfig>(&table, "batch", &mut problems);
     let lancedb = section::<LanceDbConfig>(&table, "lancedb", &mut problems);
-    match (kafka, batch, lancedb) {
-        (Some(kafka), Some(batch), Some(lancedb)) if problems.is_empty() => Ok(Config {
-            kafka,
-            batch,
-            lancedb,
-        }),
+    let embed = section::<EmbedConfig>(&table, "embed", &mut problems);
+    match (kafka, batch, lancedb, embed) {
+        (Some(kafka), Some(batch), Some(lancedb), Some(embed)) if problems.is_empty() => {
+            Ok(Config {
+                kafka,
+                batch,
+                lancedb,
+                embed,
+            })
+        }
         _ => Err(problems),
     }
 }
@@ -484,6 +578,42 @@ impl Config {
             p.push(format!(
                 "lancedb.uri: scheme {scheme}:// is not supported by this build (use a directory, file://, or s3://)"
             ));
+        }
+        let e = &self.embed;
+        if e.max_tokens < 3 || e.max_tokens > 512 {
+            p.push(
+                "embed.max_tokens: must be between 3 and 512 (BERT's position table)".to_owned(),
+            );
+        }
+        for (name, v) in [
+            ("embed.batch_size", e.batch_size),
+            ("embed.queue", e.queue),
+            ("embed.remote.max_in_flight", e.remote.max_in_flight),
+            ("embed.remote.max_batch", e.remote.max_batch),
+        ] {
+            if v == 0 {
+                p.push(format!("{name}: must be > 0"));
+            }
+        }
+        if e.remote.max_attempts == 0 {
+            p.push("embed.remote.max_attempts: must be > 0".to_owned());
+        }
+        if !e.item_template.contains("{title}") {
+            p.push("embed.item_template: must contain {title}".to_owned());
+        }
+        match e.engine {
+            // The model directory is checked when the model loads (at start-up,
+            // with the same hint): validation does not touch the filesystem.
+            EmbedEngine::Local => {}
+            EmbedEngine::Remote => {
+                if !(e.remote.url.starts_with("http://") || e.remote.url.starts_with("https://")) {
+                    p.push(format!(
+                        "embed.remote.url: {:?} must start with http:// or https://",
+                        e.remote.url
+                    ));
+                }
+            }
+            EmbedEngine::Off => {}
         }
         p
     }

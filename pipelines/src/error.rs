@@ -67,6 +67,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// Embedding a batch failed (after the engine's own retries).
+    #[error("embedding: {source}")]
+    Embed {
+        /// Whether a later attempt may succeed.
+        retryable: bool,
+        /// The embedder's error.
+        #[source]
+        source: Box<steamrf_operators::embed::EmbedError>,
+    },
     /// A bug.
     #[error("internal error: {message}")]
     Internal {
@@ -83,7 +92,9 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::Config { .. } => ErrorKind::Config,
-            Self::Kafka { .. } | Self::Lance { .. } | Self::Io { .. } => ErrorKind::External,
+            Self::Kafka { .. } | Self::Lance { .. } | Self::Io { .. } | Self::Embed { .. } => {
+                ErrorKind::External
+            }
             Self::Arrow(_) | Self::Sql(_) | Self::Internal { .. } => ErrorKind::Internal,
         }
     }
@@ -92,6 +103,7 @@ impl Error {
     pub fn retryable(&self) -> bool {
         match self {
             Self::Kafka { .. } | Self::Io { .. } => true,
+            Self::Embed { retryable, .. } => *retryable,
             Self::Lance { source, .. } => !matches!(
                 **source,
                 lancedb::Error::InvalidInput { .. }

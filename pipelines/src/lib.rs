@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod embed;
 pub mod error;
 pub mod http;
 pub mod metrics;

@@ -85,6 +85,24 @@ enum BenchCmd {
         #[arg(long, default_value = ".tools/venv/bin/python")]
         python: PathBuf,
     },
+    /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
+    Embed {
+        /// Texts to embed.
+        #[arg(long, default_value_t = 2000)]
+        texts: usize,
+        /// One text per line (default: a generated corpus of 4-48 word texts).
+        #[arg(long)]
+        corpus: Option<PathBuf>,
+        /// Texts per embed call (one micro-batch).
+        #[arg(long, default_value_t = 256)]
+        chunk: usize,
+        /// Skip the sentence-transformers reference.
+        #[arg(long)]
+        no_reference: bool,
+        /// Configuration for [embed] (model_dir, batch_size, workers).
+        #[arg(short, long)]
+        config: Option<PathBuf>,
+    },
     /// Events/s from Kafka into LanceDB, beside kcat's raw group-consume rate on the same topic.
     Ingest {
         /// Click events to produce and ingest.
@@ -112,6 +130,8 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: log files and container logs stay plain.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -194,6 +214,31 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 python,
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
+            for l in lines {
+                println!("{l}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Embed {
+                    texts,
+                    corpus,
+                    chunk,
+                    no_reference,
+                    config,
+                },
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let lines = bench::embed(bench::EmbedBench {
+                texts,
+                corpus,
+                config: config.embed,
+                chunk,
+                no_reference,
+            })
+            .await
+            .context("bench embed")?;
             for l in lines {
                 println!("{l}");
             }

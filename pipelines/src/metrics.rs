@@ -58,6 +58,26 @@ pub struct Metrics {
     pub optimizations: IntCounterVec,
     /// Latest LanceDB version written, by table.
     pub table_version: IntGaugeVec,
+    /// Texts embedded, by kind (dialogue_turn, item).
+    pub embed_texts: IntCounterVec,
+    /// Rows not embedded because the stored row is the same or newer, by kind.
+    pub embed_skipped: IntCounterVec,
+    /// Tokens fed to the embedding model.
+    pub embed_tokens: IntCounter,
+    /// Texts cut to the model's maximum length.
+    pub embed_truncated: IntCounter,
+    /// Remote embedding requests retried.
+    pub embed_retries: IntCounter,
+    /// Embedding calls that failed for good (the batch is not committed).
+    pub embed_failures: IntCounter,
+    /// Duration of one embedding call (one micro-batch of one kind).
+    pub embed_duration: Histogram,
+}
+
+fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -228,8 +248,50 @@ impl Metrics {
                 "Latest LanceDB table version written by this process.",
                 &["table"],
             ),
+            embed_texts: counter(
+                &r,
+                "steamrf_embed_texts_total",
+                "Texts embedded.",
+                &["kind"],
+            ),
+            embed_skipped: counter(
+                &r,
+                "steamrf_embed_skipped_total",
+                "Rows not embedded because the stored row is the same or newer.",
+                &["kind"],
+            ),
+            embed_tokens: int_counter(
+                &r,
+                "steamrf_embed_tokens_total",
+                "Tokens fed to the embedding model.",
+            ),
+            embed_truncated: int_counter(
+                &r,
+                "steamrf_embed_truncated_total",
+                "Texts cut to the embedding model's maximum length.",
+            ),
+            embed_retries: int_counter(
+                &r,
+                "steamrf_embed_retries_total",
+                "Remote embedding requests retried (timeouts, 429, 5xx).",
+            ),
+            embed_failures: int_counter(
+                &r,
+                "steamrf_embed_failures_total",
+                "Embedding calls that failed after retries; the batch is not committed.",
+            ),
+            embed_duration: histogram(
+                &r,
+                "steamrf_embed_duration_seconds",
+                "Duration of one embedding call (one micro-batch of one kind).",
+                exponential_buckets(0.001, 2.0, 17).expect("valid buckets"),
+            ),
             registry: r,
         };
+        for k in ["dialogue_turn", "item"] {
+            m.embed_texts.with_label_values(&[k]);
+            m.embed_skipped.with_label_values(&[k]);
+        }
         for t in topics {
             m.records_received.with_label_values(&[t]);
             m.bytes_received.with_label_values(&[t]);
@@ -248,7 +310,7 @@ impl Metrics {
             m.optimizations.with_label_values(&[t.as_str()]);
             m.table_version.with_label_values(&[t.as_str()]);
         }
-        for c in ["source", "sink"] {
+        for c in ["source", "sink", "embed"] {
             for k in [ErrorKind::Config, ErrorKind::External, ErrorKind::Internal] {
                 m.errors.with_label_values(&[c, k.as_str()]);
             }
@@ -276,6 +338,14 @@ impl Metrics {
         self.errors
             .with_label_values(&[component, err.kind().as_str()])
             .inc();
+    }
+
+    /// Texts embedded over all kinds.
+    pub fn total_texts_embedded(&self) -> u64 {
+        ["dialogue_turn", "item"]
+            .iter()
+            .map(|k| self.embed_texts.with_label_values(&[k]).get())
+            .sum()
     }
 
     /// Total rows written over all tables (for progress reporting).

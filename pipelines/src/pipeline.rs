@@ -1,5 +1,5 @@
-//! Wires the ingest pipeline: Kafka source thread → bounded queue → LanceDB
-//! writer → offset commit.
+//! Wires the ingest pipeline: Kafka source thread → bounded queue → embed
+//! stage (dialogue turns, new item versions) → LanceDB writer → offset commit.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,6 +13,7 @@ use steamrf_operators::batch::BatchTracker;
 use tokio::sync::mpsc;
 
 use crate::config::Config;
+use crate::embed::EmbedStage;
 use crate::error::{Error, Result, backoff};
 use crate::metrics::Metrics;
 use crate::sink::LanceSink;
@@ -88,6 +89,11 @@ async fn run_inner(
     ready: Arc<AtomicBool>,
 ) -> Result<RunSummary> {
     let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
+    let stage = Arc::new(EmbedStage::new(
+        crate::embed::embedder(&config.embed)?,
+        config.embed.item_template.clone(),
+        metrics.clone(),
+    ));
     if config.kafka.create_dead_letter_topic {
         source::ensure_topic(
             &config.kafka.brokers,
@@ -120,15 +126,31 @@ async fn run_inner(
             source,
         })?;
 
+    // The embed stage runs one batch ahead of the writer: batch N+1 is embedded
+    // while batch N is written.
+    let (etx, mut erx) = mpsc::channel::<SourceBatch>(1);
+    let embed_task = tokio::spawn({
+        let (sink, stage, metrics) = (sink.clone(), stage.clone(), metrics.clone());
+        async move {
+            while let Some(mut batch) = rx.recv().await {
+                metrics.queue_depth.dec();
+                embed_batch(&stage, &sink, &metrics, &mut batch).await?;
+                if etx.send(batch).await.is_err() {
+                    break;
+                }
+            }
+            Ok::<(), Error>(())
+        }
+    });
+
     let mut summary = RunSummary::default();
     let mut committed: HashMap<(String, i32), i64> = HashMap::new();
     let mut last_optimize = Instant::now();
     let optimize_every = config.lancedb.optimize_interval;
     let written = loop {
-        let Some(batch) = rx.recv().await else {
+        let Some(batch) = erx.recv().await else {
             break Ok(());
         };
-        metrics.queue_depth.dec();
         if let Err(e) = write_batch(
             &sink,
             &consumer,
@@ -152,7 +174,10 @@ async fn run_inner(
     };
     // Unblock and stop the source whatever happened, then collect its result.
     stop.store(true, Ordering::Relaxed);
-    drop(rx);
+    drop(erx);
+    let embedded = embed_task.await.map_err(|e| Error::Internal {
+        message: format!("joining the embed stage: {e}"),
+    })?;
     let source_result = tokio::task::spawn_blocking(move || source_thread.join())
         .await
         .map_err(|e| Error::Internal {
@@ -162,6 +187,7 @@ async fn run_inner(
             message: "the source thread panicked".into(),
         })?;
     written?;
+    embedded?;
     source_result?;
     // Re-commit the final positions synchronously before leaving the group,
     // for the partitions still owned (another member may be ahead on the rest).
@@ -179,6 +205,7 @@ async fn run_inner(
         records = summary.records,
         rows = summary.rows_written,
         batches = summary.batches,
+        embedded = metrics.total_texts_embedded(),
         "Pipeline drained and stopped."
     );
     Ok(summary)
@@ -206,6 +233,37 @@ fn offsets_list<'a>(
             .map_err(Error::kafka("building the commit list"))?;
     }
     Ok(tpl)
+}
+
+/// Embeds one batch, retrying retryable failures (a LanceDB lookup, an
+/// endpoint that is still failing after the engine's own retries).
+async fn embed_batch(
+    stage: &EmbedStage,
+    sink: &LanceSink,
+    metrics: &Metrics,
+    batch: &mut SourceBatch,
+) -> Result<()> {
+    let mut attempt = 0;
+    loop {
+        let mut tables = batch.tables.clone();
+        match stage.apply(sink, &mut tables).await {
+            Ok(()) => {
+                batch.tables = tables;
+                return Ok(());
+            }
+            Err(e) if e.retryable() && attempt + 1 < WRITE_ATTEMPTS => {
+                metrics.error("embed", &e);
+                let wait = backoff(attempt);
+                tracing::warn!(attempt, error = %e, ?wait, "Embedding failed; retrying.");
+                tokio::time::sleep(wait).await;
+                attempt += 1;
+            }
+            Err(e) => {
+                metrics.error("embed", &e);
+                return Err(e);
+            }
+        }
+    }
 }
 
 async fn write_batch(

@@ -269,6 +269,66 @@ impl LanceSink {
         Ok(stats)
     }
 
+    /// The stored `(timestamp, event_id)` of each of `keys` that exists in
+    /// `name` (keys absent from the table are absent from the map).
+    ///
+    /// The embed stage uses it to embed each item version and each dialogue
+    /// turn once: rows the write would skip are not embedded.
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if the query fails.
+    pub async fn stored_versions(
+        &self,
+        name: TableName,
+        keys: &[&str],
+    ) -> Result<HashMap<String, (i64, String)>> {
+        use futures::TryStreamExt;
+        use lancedb::query::{ExecutableQuery, QueryBase, Select};
+
+        let mut out = HashMap::new();
+        let key = name.key();
+        let mut columns = vec![key, "timestamp"];
+        if key != "event_id" {
+            columns.push("event_id");
+        }
+        for chunk in keys.chunks(1000) {
+            let list = chunk
+                .iter()
+                .map(|k| format!("'{}'", k.replace('\'', "''")))
+                .collect::<Vec<_>>()
+                .join(",");
+            let batches: Vec<RecordBatch> = self
+                .table(name)
+                .query()
+                .only_if(format!("{key} IN ({list})"))
+                .select(Select::columns(&columns))
+                .execute()
+                .await
+                .map_err(Error::lance(format!("looking up {key}s")))?
+                .try_collect()
+                .await
+                .map_err(Error::lance(format!("looking up {key}s")))?;
+            for b in batches {
+                let (Some(k), Some(ts), Some(ev)) = (
+                    b.column_by_name(key),
+                    b.column_by_name("timestamp"),
+                    b.column_by_name("event_id"),
+                ) else {
+                    continue;
+                };
+                let (k, ts, ev) = (
+                    k.as_string::<i32>(),
+                    ts.as_primitive::<TimestampMillisecondType>(),
+                    ev.as_string::<i32>(),
+                );
+                for i in 0..b.num_rows() {
+                    out.insert(k.value(i).to_owned(), (ts.value(i), ev.value(i).to_owned()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Compacts every table and prunes old versions.
     ///
     /// # Errors
@@ -292,7 +352,7 @@ impl LanceSink {
 /// Removes rows whose key repeats within the batch: for interactions the
 /// first occurrence stays; for items and profiles the newest by
 /// `(timestamp, event_id)`. merge_insert requires unique source keys.
-fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch> {
+pub(crate) fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch> {
     let col = |n: &str| {
         batch.column_by_name(n).ok_or_else(|| Error::Internal {
             message: format!("batch for {} lacks {n}", name.as_str()),
@@ -507,6 +567,39 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(titles.contains("Newest"), "{titles}");
+    }
+
+    #[tokio::test]
+    async fn stored_versions_finds_keys_with_quotes() {
+        let (_dir, s) = sink().await;
+        let it = |id: &str, ev: &str, ts: i64| {
+            format!(
+                r#"{{"type":"item","schema_version":1,"event_id":"{ev}","timestamp":{ts},"item_id":"{id}","title":"t"}}"#
+            )
+        };
+        let events = vec![it("it-e1", "e1", 10), it("it-e'2", "e'2", 20)];
+        let b = batches(&events);
+        s.write(TableName::Items, b.items.as_ref().unwrap())
+            .await
+            .unwrap();
+        let click = batches(&[click("c'1")]);
+        s.write(
+            TableName::Interactions,
+            click.interactions.as_ref().unwrap(),
+        )
+        .await
+        .unwrap();
+        let items = s
+            .stored_versions(TableName::Items, &["it-e1", "it-e'2", "absent"])
+            .await
+            .unwrap();
+        assert_eq!(items.len(), 2, "{items:?}");
+        assert_eq!(items["it-e'2"], (20, "e'2".to_owned()));
+        let seen = s
+            .stored_versions(TableName::Interactions, &["c'1", "nope"])
+            .await
+            .unwrap();
+        assert_eq!(seen.keys().collect::<Vec<_>>(), vec!["c'1"]);
     }
 
     #[tokio::test]

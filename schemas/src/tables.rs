@@ -15,7 +15,8 @@ use arrow_array::builder::{
     Float32Builder, Float64Builder, Int32Builder, Int64Builder, ListBuilder, StringBuilder,
     TimestampMillisecondBuilder,
 };
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::{Array, ArrayRef, FixedSizeListArray, Float32Array, RecordBatch, new_null_array};
+use arrow_buffer::NullBuffer;
 use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef, TimeUnit};
 
 use crate::event::{Event, EventType, Interaction, ItemEvent, ProfileEvent};
@@ -79,6 +80,22 @@ fn utf8(name: &str, nullable: bool) -> Field {
     Field::new(name, DataType::Utf8, nullable)
 }
 
+/// Length of every embedding column (all-MiniLM-L6-v2's hidden size).
+pub const EMBEDDING_DIM: usize = 384;
+
+/// The embedding column: `FixedSizeList<Float32, 384>`, null where nothing is
+/// embedded (clicks, purchases) or embedding is switched off.
+pub fn embedding_field() -> Field {
+    Field::new(
+        "embedding",
+        DataType::FixedSizeList(
+            Arc::new(Field::new("item", DataType::Float32, true)),
+            EMBEDDING_DIM as i32,
+        ),
+        true,
+    )
+}
+
 fn categories_type() -> DataType {
     DataType::List(Arc::new(Field::new("item", DataType::Utf8, true)))
 }
@@ -97,6 +114,7 @@ static INTERACTIONS: LazyLock<SchemaRef> = LazyLock::new(|| {
         utf8("currency", true),
         utf8("role", true),
         utf8("text", true),
+        embedding_field(),
     ];
     fields.extend(provenance_fields());
     Arc::new(Schema::new(fields))
@@ -111,6 +129,7 @@ static ITEMS: LazyLock<SchemaRef> = LazyLock::new(|| {
         Field::new("categories", categories_type(), false),
         utf8("description", true),
         utf8("attributes", true),
+        embedding_field(),
     ];
     fields.extend(provenance_fields());
     Arc::new(Schema::new(fields))
@@ -247,7 +266,7 @@ impl InteractionsBuilder {
     }
 
     fn finish(&mut self) -> Result<RecordBatch, ArrowError> {
-        self.len = 0;
+        let rows = std::mem::take(&mut self.len);
         let mut cols: Vec<ArrayRef> = vec![
             Arc::new(self.event_id.finish()),
             Arc::new(self.kind.finish()),
@@ -261,6 +280,7 @@ impl InteractionsBuilder {
             Arc::new(self.currency.finish()),
             Arc::new(self.role.finish()),
             Arc::new(self.text.finish()),
+            new_null_array(embedding_field().data_type(), rows),
         ];
         cols.extend(self.provenance.finish());
         RecordBatch::try_new(INTERACTIONS.clone(), cols)
@@ -317,7 +337,7 @@ impl ItemsBuilder {
     }
 
     fn finish(&mut self) -> Result<RecordBatch, ArrowError> {
-        self.len = 0;
+        let rows = std::mem::take(&mut self.len);
         let mut cols: Vec<ArrayRef> = vec![
             Arc::new(self.item_id.finish()),
             Arc::new(self.event_id.finish()),
@@ -326,6 +346,7 @@ impl ItemsBuilder {
             Arc::new(self.categories.finish()),
             Arc::new(self.description.finish()),
             Arc::new(self.attributes.finish()),
+            new_null_array(embedding_field().data_type(), rows),
         ];
         cols.extend(self.provenance.finish());
         RecordBatch::try_new(ITEMS.clone(), cols)
@@ -444,6 +465,72 @@ impl TableBuilders {
     }
 }
 
+/// Returns `batch` with its `embedding` column set: row `rows[i]` gets
+/// `vectors[i * EMBEDDING_DIM..][..EMBEDDING_DIM]`; other rows keep their value
+/// (null unless set before).
+///
+/// # Errors
+/// If the batch has no embedding column, a row is out of range, or
+/// `vectors` is not `rows.len() × EMBEDDING_DIM` long.
+pub fn with_embeddings(
+    batch: &RecordBatch,
+    rows: &[usize],
+    vectors: &[f32],
+) -> Result<RecordBatch, ArrowError> {
+    let dim = EMBEDDING_DIM;
+    if vectors.len() != rows.len() * dim {
+        return Err(ArrowError::InvalidArgumentError(format!(
+            "{} vectors of {dim} values expected, got {} values",
+            rows.len(),
+            vectors.len()
+        )));
+    }
+    let schema = batch.schema();
+    let (idx, field) = schema.column_with_name("embedding").ok_or_else(|| {
+        ArrowError::InvalidArgumentError("the batch has no embedding column".into())
+    })?;
+    let n = batch.num_rows();
+    let old = batch
+        .column(idx)
+        .as_any()
+        .downcast_ref::<FixedSizeListArray>()
+        .ok_or_else(|| {
+            ArrowError::InvalidArgumentError("embedding is not a FixedSizeList".into())
+        })?;
+    let mut values = vec![0.0f32; n * dim];
+    let mut valid = vec![false; n];
+    for r in 0..n {
+        if old.is_valid(r) {
+            let row = old.value(r);
+            if let Some(v) = row.as_any().downcast_ref::<Float32Array>() {
+                values[r * dim..(r + 1) * dim].copy_from_slice(v.values());
+                valid[r] = true;
+            }
+        }
+    }
+    for (i, &r) in rows.iter().enumerate() {
+        if r >= n {
+            return Err(ArrowError::InvalidArgumentError(format!(
+                "row {r} out of range (batch of {n})"
+            )));
+        }
+        values[r * dim..(r + 1) * dim].copy_from_slice(&vectors[i * dim..(i + 1) * dim]);
+        valid[r] = true;
+    }
+    let DataType::FixedSizeList(item, _) = field.data_type() else {
+        unreachable!("checked by the downcast above")
+    };
+    let array = FixedSizeListArray::try_new(
+        item.clone(),
+        dim as i32,
+        Arc::new(Float32Array::from(values)),
+        Some(NullBuffer::from(valid)),
+    )?;
+    let mut cols = batch.columns().to_vec();
+    cols[idx] = Arc::new(array);
+    RecordBatch::try_new(schema, cols)
+}
+
 /// A stable one-line-per-field rendering of a schema, for golden snapshots.
 pub fn describe_schema(schema: &Schema) -> String {
     schema
@@ -531,5 +618,54 @@ mod tests {
         }
         // A second finish with nothing appended yields nothing.
         assert_eq!(b.finish().unwrap().num_rows(), 0);
+    }
+
+    #[test]
+    fn embeddings_are_set_on_the_chosen_rows_and_null_elsewhere() {
+        let payloads = [
+            r#"{"type":"click","schema_version":1,"event_id":"e1","timestamp":1000,"user_id":"u1","item_id":"i1"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e2","timestamp":2000,"user_id":"u1","session_id":"s","role":"user","text":"hi"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e3","timestamp":3000,"user_id":"u1","session_id":"s","role":"user","text":"jazz"}"#,
+        ];
+        let mut b = TableBuilders::default();
+        for (i, p) in payloads.iter().enumerate() {
+            let p0 = Provenance {
+                partition: 0,
+                offset: i as i64,
+                ingested_at_ms: 0,
+            };
+            b.append(&decode(p.as_bytes()).unwrap(), p0);
+        }
+        let batch = b.finish().unwrap().interactions.unwrap();
+        let col = |batch: &RecordBatch| {
+            batch
+                .column_by_name("embedding")
+                .unwrap()
+                .as_any()
+                .downcast_ref::<FixedSizeListArray>()
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(col(&batch).null_count(), 3);
+        let mut v = vec![0.5f32; EMBEDDING_DIM];
+        v.extend(vec![-1.0f32; EMBEDDING_DIM]);
+        let out = with_embeddings(&batch, &[2, 1], &v).unwrap();
+        let e = col(&out);
+        assert!(e.is_null(0));
+        let row = |r: usize| {
+            e.value(r)
+                .as_any()
+                .downcast_ref::<Float32Array>()
+                .unwrap()
+                .values()
+                .to_vec()
+        };
+        assert_eq!(row(2), vec![0.5; EMBEDDING_DIM]);
+        assert_eq!(row(1), vec![-1.0; EMBEDDING_DIM]);
+        // Setting another row keeps the ones already set.
+        let again = with_embeddings(&out, &[0], &vec![2.0; EMBEDDING_DIM]).unwrap();
+        assert_eq!(col(&again).null_count(), 0);
+        assert!(with_embeddings(&batch, &[3], &vec![0.0; EMBEDDING_DIM]).is_err());
+        assert!(with_embeddings(&batch, &[0], &[0.0; 3]).is_err());
     }
 }

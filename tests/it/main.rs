@@ -34,6 +34,31 @@ fn assert_tables(uri: &str, exp: &Expected) {
         exp.profiles as i64,
         "profiles rows"
     );
+    // Dialogue turns and items carry embeddings; clicks and purchases never do.
+    assert_eq!(
+        sql_count(
+            uri,
+            "SELECT count(*) AS n FROM interactions WHERE embedding IS NOT NULL"
+        ),
+        exp.dialogue as i64,
+        "embedded dialogue turns"
+    );
+    assert_eq!(
+        sql_count(
+            uri,
+            "SELECT count(*) AS n FROM interactions WHERE embedding IS NOT NULL AND kind <> 'dialogue_turn'"
+        ),
+        0,
+        "clicks and purchases are not embedded"
+    );
+    assert_eq!(
+        sql_count(
+            uri,
+            "SELECT count(*) AS n FROM items WHERE embedding IS NOT NULL"
+        ),
+        exp.items as i64,
+        "embedded items"
+    );
 }
 
 /// 10k events, ~1% malformed: rows equal the valid events, the dead-letter
@@ -103,8 +128,8 @@ fn replay_adds_no_rows() {
     let exp = generate(&dir.path().join("events.jsonl"), 2_000, 0, 11, &topic);
     produce_all(&topic, 2, &dir.path().join("events.jsonl"));
     let dlq = format!("{topic}-dlq");
-    for group in ["first", "replay"] {
-        let group = format!("{topic}-{group}");
+    for name in ["first", "replay"] {
+        let group = format!("{topic}-{name}");
         let cfg = PipelineConfig {
             dir: dir.path(),
             topic: &topic,
@@ -120,6 +145,14 @@ fn replay_adds_no_rows() {
             p.log_text()
         );
         assert_tables(&cfg.lancedb_uri(), &exp);
+        // The replay finds every dialogue turn and item version stored: it
+        // embeds nothing.
+        let log = p.log_text();
+        if name == "replay" {
+            assert!(log.contains("embedded=0"), "{log}");
+        } else {
+            assert!(!log.contains("embedded=0"), "{log}");
+        }
     }
 }
 
@@ -265,6 +298,7 @@ fn two_instances_share_then_hand_over() {
     produce_all(&topic, 4, &f2);
     let total = Expected {
         interactions: e1.interactions + e2.interactions,
+        dialogue: e1.dialogue + e2.dialogue,
         items: e1.items + e2.items,
         profiles: e1.profiles + e2.profiles,
         ..Expected::default()

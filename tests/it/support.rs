@@ -22,6 +22,13 @@ pub fn repo_root() -> PathBuf {
 }
 
 /// The broker under test; fails loudly when none is listening.
+/// The real all-MiniLM-L6-v2, fetched by scripts/tools.sh.
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("STEAMRF_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".tools/models/all-MiniLM-L6-v2"))
+}
+
 pub fn brokers() -> String {
     let b = std::env::var("STEAMRF_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let first = b.split(',').next().unwrap().to_owned();
@@ -88,6 +95,8 @@ pub fn produce_all(topic: &str, partitions: u32, file: &Path) {
 pub struct Expected {
     /// Distinct event ids of valid clicks, purchases and dialogue turns.
     pub interactions: usize,
+    /// Distinct event ids of valid dialogue turns (each embedded once).
+    pub dialogue: usize,
     pub items: usize,
     pub profiles: usize,
     /// Malformed payloads and the error kind each must be dead-lettered with.
@@ -150,6 +159,7 @@ pub fn generate(
                 )
             } else if r < 93 {
                 exp.interactions += 1;
+                exp.dialogue += 1;
                 format!(
                     r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","session_id":"s{}","role":"user","text":"I want something like \"Blue Train\" — ünïcode ok"}}"#,
                     i / 7
@@ -209,14 +219,15 @@ impl PipelineConfig<'_> {
         let path = self.dir.join(format!("{}.toml", self.group));
         let text = format!(
             "[kafka]\nbrokers = \"{}\"\ngroup_id = \"{}\"\ntopics = [\"{}\"]\ndead_letter_topic = \"{}\"\nmax_event_bytes = \"64KiB\"\nstatistics_interval = \"1s\"\n\
-             [batch]\nmax_rows = {}\nlinger = \"{}ms\"\n[lancedb]\nuri = \"{}\"\n",
+             [batch]\nmax_rows = {}\nlinger = \"{}ms\"\n[lancedb]\nuri = \"{}\"\n[embed]\nmodel_dir = \"{}\"\n",
             brokers(),
             self.group,
             self.topic,
             self.dlq,
             self.max_rows,
             self.linger_ms,
-            self.lancedb_uri()
+            self.lancedb_uri(),
+            model_dir().display()
         );
         std::fs::write(&path, text).unwrap();
         path

@@ -1,0 +1,306 @@
+//! The embed stage: between the source and the writer, fills the `embedding`
+//! column of dialogue turns and of new item versions.
+//!
+//! - Clicks and purchases are never embedded.
+//! - A dialogue turn already stored (a replay) is not embedded again; the
+//!   write would skip it anyway.
+//! - An item is embedded once per version: rows that are not newer than the
+//!   stored item by `(timestamp, event_id)` are dropped from the batch before
+//!   embedding (the write would not apply them).
+//!
+//! A failed embedding call fails the batch; the pipeline then stops without
+//! committing its offsets, so nothing is lost (the remote engine retries
+//! timeouts, 429 and 5xx itself before that).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::TimestampMillisecondType;
+use arrow_array::{Array, RecordBatch, UInt32Array};
+use steamrf_operators::embed::{
+    Backend, Embedder, LocalEmbedder, MiniLm, MiniLmOptions, RemoteEmbedder, RemoteOptions,
+};
+use steamrf_schemas::TableName;
+use steamrf_schemas::tables::{EMBEDDING_DIM, with_embeddings};
+
+use crate::config::{EmbedBackend, EmbedConfig, EmbedEngine};
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::sink::{LanceSink, dedup};
+
+/// Local worker threads: `embed.workers`, or one per core when 0.
+pub fn workers(cfg: &EmbedConfig) -> usize {
+    if cfg.workers > 0 {
+        cfg.workers
+    } else {
+        std::thread::available_parallelism().map_or(1, usize::from)
+    }
+}
+
+/// Builds the configured embedder (`None` when embedding is off).
+///
+/// # Errors
+/// [`Error::Config`] if the model cannot be loaded or has the wrong dimension.
+pub fn embedder(cfg: &EmbedConfig) -> Result<Option<Arc<dyn Embedder>>> {
+    let e: Arc<dyn Embedder> = match cfg.engine {
+        EmbedEngine::Off => return Ok(None),
+        EmbedEngine::Local => {
+            let started = Instant::now();
+            let model = MiniLm::load(
+                Path::new(&cfg.model_dir),
+                MiniLmOptions {
+                    backend: match cfg.backend {
+                        EmbedBackend::Native => Backend::Native,
+                        EmbedBackend::Candle => Backend::Candle,
+                    },
+                    max_tokens: cfg.max_tokens,
+                    batch_size: cfg.batch_size,
+                    ..MiniLmOptions::default()
+                },
+            )
+            .map_err(|e| Error::Config {
+                problems: vec![format!(
+                    "embed.model_dir: {e} (run scripts/tools.sh to fetch all-MiniLM-L6-v2, or set embed.engine = \"remote\" or \"off\")"
+                )],
+            })?;
+            tracing::info!(model = model.model_id(), took = ?started.elapsed(), "Embedding model loaded.");
+            Arc::new(
+                LocalEmbedder::start(model, workers(cfg), cfg.queue).map_err(|e| {
+                    Error::Internal {
+                        message: e.to_string(),
+                    }
+                })?,
+            )
+        }
+        EmbedEngine::Remote => {
+            let r = &cfg.remote;
+            Arc::new(
+                RemoteEmbedder::new(RemoteOptions {
+                    url: r.url.clone(),
+                    model: r.model.clone(),
+                    api_key: (!r.api_key.is_empty()).then(|| r.api_key.clone()),
+                    dim: EMBEDDING_DIM,
+                    timeout: r.timeout,
+                    max_attempts: r.max_attempts,
+                    max_in_flight: r.max_in_flight,
+                    max_batch: r.max_batch,
+                    ..RemoteOptions::default()
+                })
+                .map_err(|e| Error::Config {
+                    problems: vec![format!("embed.remote: {e}")],
+                })?,
+            )
+        }
+    };
+    if e.dim() != EMBEDDING_DIM {
+        return Err(Error::Config {
+            problems: vec![format!(
+                "embed: the model's vectors have {} dimensions; the tables store {EMBEDDING_DIM}",
+                e.dim()
+            )],
+        });
+    }
+    Ok(Some(e))
+}
+
+/// Renders an item as text with `template` (`{title}`, `{categories}`,
+/// `{description}`), with surrounding whitespace trimmed.
+pub fn item_text(template: &str, title: &str, categories: &[&str], description: &str) -> String {
+    let text = template
+        .replace("{title}", title)
+        .replace("{categories}", &categories.join(", "))
+        .replace("{description}", description);
+    text.trim().to_owned()
+}
+
+/// The embed stage.
+pub struct EmbedStage {
+    embedder: Option<Arc<dyn Embedder>>,
+    item_template: String,
+    metrics: Metrics,
+    retries_seen: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for EmbedStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbedStage")
+            .field("model", &self.embedder.as_ref().map(|e| e.model_id()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl EmbedStage {
+    /// A stage running `embedder` (or doing nothing when `None`).
+    pub fn new(
+        embedder: Option<Arc<dyn Embedder>>,
+        item_template: String,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            embedder,
+            item_template,
+            metrics,
+            retries_seen: Default::default(),
+        }
+    }
+
+    async fn run(&self, kind: &'static str, texts: Vec<String>) -> Result<Vec<f32>> {
+        let Some(e) = &self.embedder else {
+            return Ok(Vec::new());
+        };
+        let started = Instant::now();
+        let n = texts.len();
+        let out = e.embed(texts).await;
+        let retries = e.stats().retries.load(Ordering::Relaxed);
+        let before = self.retries_seen.swap(retries, Ordering::Relaxed);
+        self.metrics
+            .embed_retries
+            .inc_by(retries.saturating_sub(before));
+        let out = out.map_err(|err| {
+            self.metrics.embed_failures.inc();
+            Error::Embed {
+                retryable: err.retryable(),
+                source: Box::new(err),
+            }
+        })?;
+        self.metrics
+            .embed_duration
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .embed_texts
+            .with_label_values(&[kind])
+            .inc_by(n as u64);
+        self.metrics.embed_tokens.inc_by(out.tokens);
+        self.metrics.embed_truncated.inc_by(out.truncated);
+        Ok(out.vectors)
+    }
+
+    /// Fills the embedding columns of `tables` (see the module docs).
+    ///
+    /// # Errors
+    /// A failed lookup or embedding call; the batch must then not be committed.
+    pub async fn apply(
+        &self,
+        sink: &LanceSink,
+        tables: &mut steamrf_schemas::TableBatches,
+    ) -> Result<()> {
+        if self.embedder.is_none() {
+            return Ok(());
+        }
+        if let Some(batch) = tables.interactions.take() {
+            tables.interactions = Some(self.dialogue(sink, batch).await?);
+        }
+        if let Some(batch) = tables.items.take() {
+            tables.items = self.items(sink, batch).await?;
+        }
+        Ok(())
+    }
+
+    async fn dialogue(&self, sink: &LanceSink, batch: RecordBatch) -> Result<RecordBatch> {
+        let col = |n: &str| column(&batch, n);
+        let kind = col("kind")?.as_string::<i32>();
+        let text = col("text")?.as_string::<i32>();
+        let ids = col("event_id")?.as_string::<i32>();
+        let turns: Vec<usize> = (0..batch.num_rows())
+            .filter(|&r| kind.value(r) == "dialogue_turn" && text.is_valid(r))
+            .collect();
+        if turns.is_empty() {
+            return Ok(batch);
+        }
+        let keys: Vec<&str> = turns.iter().map(|&r| ids.value(r)).collect();
+        let stored = sink.stored_versions(TableName::Interactions, &keys).await?;
+        let mut seen = std::collections::HashSet::new();
+        let rows: Vec<usize> = turns
+            .into_iter()
+            .filter(|&r| !stored.contains_key(ids.value(r)) && seen.insert(ids.value(r)))
+            .collect();
+        self.metrics
+            .embed_skipped
+            .with_label_values(&["dialogue_turn"])
+            .inc_by((keys.len() - rows.len()) as u64);
+        if rows.is_empty() {
+            return Ok(batch);
+        }
+        let texts = rows.iter().map(|&r| text.value(r).to_owned()).collect();
+        let vectors = self.run("dialogue_turn", texts).await?;
+        Ok(with_embeddings(&batch, &rows, &vectors)?)
+    }
+
+    async fn items(&self, sink: &LanceSink, batch: RecordBatch) -> Result<Option<RecordBatch>> {
+        let batch = dedup(TableName::Items, &batch)?;
+        let keys: Vec<&str> = column(&batch, "item_id")?
+            .as_string::<i32>()
+            .iter()
+            .map(Option::unwrap_or_default)
+            .collect();
+        let stored = sink.stored_versions(TableName::Items, &keys).await?;
+        let ts = column(&batch, "timestamp")?.as_primitive::<TimestampMillisecondType>();
+        let ev = column(&batch, "event_id")?.as_string::<i32>();
+        let newer: Vec<u32> = (0..batch.num_rows())
+            .filter(|&r| match stored.get(keys[r]) {
+                None => true,
+                Some((t, e)) => (ts.value(r), ev.value(r)) > (*t, e.as_str()),
+            })
+            .map(|r| r as u32)
+            .collect();
+        self.metrics
+            .embed_skipped
+            .with_label_values(&["item"])
+            .inc_by((batch.num_rows() - newer.len()) as u64);
+        if newer.is_empty() {
+            return Ok(None);
+        }
+        let batch = if newer.len() == batch.num_rows() {
+            batch
+        } else {
+            arrow_select::take::take_record_batch(&batch, &UInt32Array::from(newer))?
+        };
+        let title = column(&batch, "title")?.as_string::<i32>();
+        let cats = column(&batch, "categories")?.as_list::<i32>();
+        let desc = column(&batch, "description")?.as_string::<i32>();
+        let texts: Vec<String> = (0..batch.num_rows())
+            .map(|r| {
+                let c = cats.value(r);
+                let c = c.as_string::<i32>();
+                let c: Vec<&str> = c.iter().flatten().collect();
+                let d = if desc.is_valid(r) { desc.value(r) } else { "" };
+                item_text(&self.item_template, title.value(r), &c, d)
+            })
+            .collect();
+        let rows: Vec<usize> = (0..batch.num_rows()).collect();
+        let vectors = self.run("item", texts).await?;
+        Ok(Some(with_embeddings(&batch, &rows, &vectors)?))
+    }
+}
+
+fn column<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {
+    batch.column_by_name(name).ok_or_else(|| Error::Internal {
+        message: format!("batch lacks {name}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn item_text_fills_the_template_and_trims_empty_parts() {
+        let t = "{title}. Categories: {categories}. {description}";
+        assert_eq!(
+            item_text(t, "Kind of Blue", &["Jazz", "Modal"], "1959 album."),
+            "Kind of Blue. Categories: Jazz, Modal. 1959 album."
+        );
+        assert_eq!(
+            item_text(t, "Kind of Blue", &["Jazz"], ""),
+            "Kind of Blue. Categories: Jazz."
+        );
+        let cd = "The CD is called '{title}'. The category of this CD is: '{categories}'.";
+        assert_eq!(
+            item_text(cd, "Blue", &["Jazz"], ""),
+            "The CD is called 'Blue'. The category of this CD is: 'Jazz'."
+        );
+    }
+}
