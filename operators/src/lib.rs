@@ -2,6 +2,9 @@
 //!
 //! - [`embed`]: text embeddings (all-MiniLM-L6-v2 in process, or an
 //!   OpenAI-compatible endpoint).
+//! - [`steam`]: the STEAM write path (memory formation and consolidation,
+//!   relation extraction, incremental communities, prototypes) as batch
+//!   operators over in-memory state.
 //!
 //! It holds the micro-batching policy shared by every stage
 //! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
@@ -14,3 +17,4 @@
 
 pub mod batch;
 pub mod embed;
+pub mod steam;

@@ -1,0 +1,435 @@
+//! Memory communities, maintained incrementally.
+//!
+//! The paper defines a community around a memory as everything within two
+//! hops, C_i = {m_j | d(m_i, m_j) ≤ 2}, explores 2 hops from each new batch,
+//! and propagates membership changes to first-order neighbours through an
+//! update queue until nothing changes ("a single new edge may trigger the
+//! merging of multiple communities"). The fixpoint of that rule is the
+//! connected components of the undirected link graph, which is what this
+//! module maintains (the choice is documented in docs/steam.md):
+//!
+//! - an added edge between two communities merges them: the smaller one's
+//!   members are relabelled through a queue (small-to-large, so each memory
+//!   is relabelled O(log n) times over any sequence of merges);
+//! - a removed edge or memory re-examines only its old community, by BFS over
+//!   that community's members, which may split it;
+//! - nothing else is touched, so a batch costs what its edges reach, not the
+//!   size of the graph.
+//!
+//! A community's id is a member's memory id: the id of the larger side
+//! survives a merge (ties: the smaller id), and after a split each part takes
+//! its smallest member id. Given the same sequence of batches the ids are the
+//! same (determinism); [`partition_from_scratch`] gives the same partition
+//! from the final graph alone (a property test checks it).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use super::MemoryId;
+
+/// Changes to the link graph, applied together.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraphBatch {
+    /// New memories (no edges yet; edges come in `add_edges`).
+    pub add_nodes: Vec<MemoryId>,
+    /// New undirected links.
+    pub add_edges: Vec<(MemoryId, MemoryId)>,
+    /// Links that disappear (a re-linked memory dropped them).
+    pub remove_edges: Vec<(MemoryId, MemoryId)>,
+    /// Memories deleted with all their links (a user forgotten).
+    pub remove_nodes: Vec<MemoryId>,
+}
+
+/// What a batch did to the communities.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommunityDelta {
+    /// Communities (by id, after the batch) whose membership changed or that are new.
+    pub changed: BTreeSet<MemoryId>,
+    /// Community ids that no longer exist.
+    pub removed: BTreeSet<MemoryId>,
+    /// Merges of two communities into one.
+    pub merges: u64,
+    /// Communities that fell apart into more than one.
+    pub splits: u64,
+    /// Memories whose community id changed.
+    pub relabelled: u64,
+}
+
+/// The link graph and its communities.
+#[derive(Debug, Clone, Default)]
+pub struct Communities {
+    adj: HashMap<MemoryId, BTreeSet<MemoryId>>,
+    label: HashMap<MemoryId, MemoryId>,
+    members: HashMap<MemoryId, BTreeSet<MemoryId>>,
+}
+
+impl Communities {
+    /// An empty graph.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The community of `m`.
+    pub fn community_of(&self, m: MemoryId) -> Option<MemoryId> {
+        self.label.get(&m).copied()
+    }
+
+    /// The members of community `c`.
+    pub fn members(&self, c: MemoryId) -> Option<&BTreeSet<MemoryId>> {
+        self.members.get(&c)
+    }
+
+    /// The direct links of `m`.
+    pub fn neighbours(&self, m: MemoryId) -> impl Iterator<Item = MemoryId> + '_ {
+        self.adj.get(&m).into_iter().flatten().copied()
+    }
+
+    /// Number of memories.
+    pub fn len(&self) -> usize {
+        self.adj.len()
+    }
+
+    /// Whether there are no memories.
+    pub fn is_empty(&self) -> bool {
+        self.adj.is_empty()
+    }
+
+    /// Number of communities (singletons included).
+    pub fn count(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Every community id with its members.
+    pub fn iter(&self) -> impl Iterator<Item = (MemoryId, &BTreeSet<MemoryId>)> {
+        self.members.iter().map(|(c, m)| (*c, m))
+    }
+
+    /// The current partition, as sorted member sets (for comparisons).
+    pub fn partition(&self) -> BTreeSet<BTreeSet<MemoryId>> {
+        self.members.values().cloned().collect()
+    }
+
+    /// The undirected edges, each once as (smaller, larger).
+    pub fn edges(&self) -> Vec<(MemoryId, MemoryId)> {
+        let mut out = Vec::new();
+        for (&a, ns) in &self.adj {
+            out.extend(ns.iter().filter(|&&b| a < b).map(|&b| (a, b)));
+        }
+        out.sort_unstable();
+        out
+    }
+
+    fn ensure_node(&mut self, m: MemoryId, delta: &mut CommunityDelta) {
+        if self.adj.contains_key(&m) {
+            return;
+        }
+        self.adj.insert(m, BTreeSet::new());
+        self.label.insert(m, m);
+        self.members.insert(m, BTreeSet::from([m]));
+        delta.changed.insert(m);
+    }
+
+    /// Applies one batch: removals first (splits), then additions (merges).
+    pub fn apply(&mut self, batch: &GraphBatch) -> CommunityDelta {
+        let mut delta = CommunityDelta::default();
+        // Removals: collect the old communities they touch, then re-examine each.
+        let mut dirty: BTreeSet<MemoryId> = BTreeSet::new();
+        for &(a, b) in &batch.remove_edges {
+            if a == b {
+                continue;
+            }
+            let had = self.adj.get_mut(&a).is_some_and(|s| s.remove(&b));
+            if had {
+                if let Some(s) = self.adj.get_mut(&b) {
+                    s.remove(&a);
+                }
+                if let Some(&c) = self.label.get(&a) {
+                    dirty.insert(c);
+                }
+            }
+        }
+        for &m in &batch.remove_nodes {
+            let Some(ns) = self.adj.remove(&m) else {
+                continue;
+            };
+            for n in ns {
+                if let Some(s) = self.adj.get_mut(&n) {
+                    s.remove(&m);
+                }
+            }
+            if let Some(c) = self.label.remove(&m) {
+                if let Some(set) = self.members.get_mut(&c) {
+                    set.remove(&m);
+                }
+                dirty.insert(c);
+            }
+        }
+        for c in dirty {
+            self.resplit(c, &mut delta);
+        }
+        // Additions.
+        for &m in &batch.add_nodes {
+            self.ensure_node(m, &mut delta);
+        }
+        for &(a, b) in &batch.add_edges {
+            if a == b {
+                continue;
+            }
+            self.ensure_node(a, &mut delta);
+            self.ensure_node(b, &mut delta);
+            let new = self.adj.get_mut(&a).is_some_and(|s| s.insert(b));
+            if !new {
+                continue;
+            }
+            if let Some(s) = self.adj.get_mut(&b) {
+                s.insert(a);
+            }
+            self.merge(a, b, &mut delta);
+        }
+        // A community removed and then re-created under the same id is changed, not removed.
+        delta.removed.retain(|c| !self.members.contains_key(c));
+        delta.changed.retain(|c| self.members.contains_key(c));
+        delta
+    }
+
+    /// Merges the communities of `a` and `b` (just linked), if they differ.
+    fn merge(&mut self, a: MemoryId, b: MemoryId, delta: &mut CommunityDelta) {
+        let (ca, cb) = (self.label[&a], self.label[&b]);
+        if ca == cb {
+            return;
+        }
+        let (sa, sb) = (self.members[&ca].len(), self.members[&cb].len());
+        // The larger community keeps its id (ties: the smaller id); the
+        // other's members are relabelled through a queue.
+        let (keep, fold) = if sa > sb || (sa == sb && ca < cb) {
+            (ca, cb)
+        } else {
+            (cb, ca)
+        };
+        let moved = self.members.remove(&fold).unwrap_or_default();
+        let mut queue: VecDeque<MemoryId> = moved.iter().copied().collect();
+        while let Some(m) = queue.pop_front() {
+            self.label.insert(m, keep);
+            delta.relabelled += 1;
+        }
+        self.members.entry(keep).or_default().extend(moved);
+        delta.merges += 1;
+        delta.changed.insert(keep);
+        delta.changed.remove(&fold);
+        delta.removed.insert(fold);
+    }
+
+    /// Re-examines old community `c` after removals: BFS over its remaining
+    /// members; each connected part becomes a community named by its
+    /// smallest member.
+    fn resplit(&mut self, c: MemoryId, delta: &mut CommunityDelta) {
+        let Some(old) = self.members.remove(&c) else {
+            return;
+        };
+        let mut parts = 0u64;
+        let mut seen: BTreeSet<MemoryId> = BTreeSet::new();
+        for &start in &old {
+            if seen.contains(&start) || !self.adj.contains_key(&start) {
+                continue;
+            }
+            let mut part = BTreeSet::new();
+            let mut queue = VecDeque::from([start]);
+            seen.insert(start);
+            while let Some(m) = queue.pop_front() {
+                part.insert(m);
+                for &n in self.adj.get(&m).into_iter().flatten() {
+                    if seen.insert(n) {
+                        queue.push_back(n);
+                    }
+                }
+            }
+            let id = *part.first().unwrap_or(&start);
+            for &m in &part {
+                if self.label.insert(m, id) != Some(id) {
+                    delta.relabelled += 1;
+                }
+            }
+            self.members.insert(id, part);
+            delta.changed.insert(id);
+            parts += 1;
+        }
+        if parts > 1 {
+            delta.splits += 1;
+        }
+        if !self.members.contains_key(&c) {
+            delta.removed.insert(c);
+        }
+    }
+}
+
+/// Connected components of the undirected graph `edges` over `nodes`,
+/// computed from nothing (the reference the incremental structure must equal).
+pub fn partition_from_scratch(
+    nodes: impl IntoIterator<Item = MemoryId>,
+    edges: &[(MemoryId, MemoryId)],
+) -> BTreeSet<BTreeSet<MemoryId>> {
+    let mut adj: BTreeMap<MemoryId, Vec<MemoryId>> = BTreeMap::new();
+    for n in nodes {
+        adj.entry(n).or_default();
+    }
+    for &(a, b) in edges {
+        if a != b {
+            adj.entry(a).or_default().push(b);
+            adj.entry(b).or_default().push(a);
+        }
+    }
+    let mut seen = BTreeSet::new();
+    let mut out = BTreeSet::new();
+    for &start in adj.keys() {
+        if !seen.insert(start) {
+            continue;
+        }
+        let mut part = BTreeSet::new();
+        let mut queue = VecDeque::from([start]);
+        while let Some(m) = queue.pop_front() {
+            part.insert(m);
+            for &n in &adj[&m] {
+                if seen.insert(n) {
+                    queue.push_back(n);
+                }
+            }
+        }
+        out.insert(part);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn an_edge_merges_and_its_removal_splits() {
+        let mut c = Communities::new();
+        let d = c.apply(&GraphBatch {
+            add_edges: vec![(1, 2), (3, 4)],
+            ..GraphBatch::default()
+        });
+        assert_eq!(c.count(), 2);
+        assert_eq!(d.merges, 2);
+        let d = c.apply(&GraphBatch {
+            add_edges: vec![(2, 3)],
+            ..GraphBatch::default()
+        });
+        assert_eq!(d.merges, 1);
+        assert_eq!(c.count(), 1);
+        let id = c.community_of(4).unwrap();
+        assert_eq!(d.changed, BTreeSet::from([id]));
+        let d = c.apply(&GraphBatch {
+            remove_edges: vec![(3, 2)],
+            ..GraphBatch::default()
+        });
+        assert_eq!(d.splits, 1);
+        assert_eq!(c.community_of(1), Some(1));
+        assert_eq!(c.community_of(4), Some(3));
+        // Deleting a bridge node splits too; the deleted node is gone.
+        c.apply(&GraphBatch {
+            add_edges: vec![(2, 5), (5, 3)],
+            ..GraphBatch::default()
+        });
+        assert_eq!(c.count(), 1);
+        let d = c.apply(&GraphBatch {
+            remove_nodes: vec![5],
+            ..GraphBatch::default()
+        });
+        assert_eq!(d.splits, 1);
+        assert_eq!(c.community_of(5), None);
+        assert_eq!(c.count(), 2);
+    }
+
+    #[test]
+    fn a_chain_of_merges_cascades_through_one_edge() {
+        let mut c = Communities::new();
+        c.apply(&GraphBatch {
+            add_edges: vec![(1, 2), (3, 4), (5, 6)],
+            ..GraphBatch::default()
+        });
+        c.apply(&GraphBatch {
+            add_edges: vec![(2, 3), (4, 5)],
+            ..GraphBatch::default()
+        });
+        assert_eq!(c.count(), 1);
+        assert_eq!(c.members(c.community_of(1).unwrap()).unwrap().len(), 6);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Add(Vec<(u8, u8)>, Vec<u8>),
+        Remove(Vec<(u8, u8)>, Vec<u8>),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let edges = prop::collection::vec((0u8..40, 0u8..40), 0..12);
+        let nodes = prop::collection::vec(0u8..40, 0..4);
+        prop_oneof![
+            3 => (edges.clone(), nodes.clone()).prop_map(|(e, n)| Op::Add(e, n)),
+            1 => (edges, nodes).prop_map(|(e, n)| Op::Remove(e, n)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// After any sequence of batches (deletions included), the incremental
+        /// communities equal connected components computed from scratch.
+        #[test]
+        fn incremental_equals_from_scratch(ops in prop::collection::vec(op(), 1..25)) {
+            let mut c = Communities::new();
+            for op in &ops {
+                let batch = match op {
+                    Op::Add(e, n) => GraphBatch {
+                        add_edges: e.iter().map(|&(a, b)| (u64::from(a), u64::from(b))).collect(),
+                        add_nodes: n.iter().map(|&x| u64::from(x)).collect(),
+                        ..GraphBatch::default()
+                    },
+                    Op::Remove(e, n) => {
+                        // Remove some existing edges too, so splits happen often.
+                        let mut edges: Vec<_> = e.iter().map(|&(a, b)| (u64::from(a), u64::from(b))).collect();
+                        edges.extend(c.edges().into_iter().step_by(3));
+                        GraphBatch {
+                            remove_edges: edges,
+                            remove_nodes: n.iter().map(|&x| u64::from(x)).collect(),
+                            ..GraphBatch::default()
+                        }
+                    }
+                };
+                let delta = c.apply(&batch);
+                // Every reported community exists, every removed one does not.
+                for id in &delta.changed {
+                    prop_assert!(c.members(*id).is_some());
+                }
+                for id in &delta.removed {
+                    prop_assert!(c.members(*id).is_none());
+                }
+                // Labels and member sets agree.
+                for (id, ms) in c.iter() {
+                    for m in ms {
+                        prop_assert_eq!(c.community_of(*m), Some(id));
+                    }
+                }
+                let nodes: Vec<MemoryId> = c.adj.keys().copied().collect();
+                prop_assert_eq!(c.partition(), partition_from_scratch(nodes, &c.edges()));
+            }
+        }
+
+        /// The same batches give the same community ids (determinism).
+        #[test]
+        fn replays_give_the_same_ids(ops in prop::collection::vec(prop::collection::vec((0u64..30, 0u64..30), 0..10), 1..10)) {
+            let run = || {
+                let mut c = Communities::new();
+                for e in &ops {
+                    c.apply(&GraphBatch { add_edges: e.clone(), ..GraphBatch::default() });
+                }
+                let mut labels: Vec<_> = c.label.iter().map(|(a, b)| (*a, *b)).collect();
+                labels.sort_unstable();
+                labels
+            };
+            prop_assert_eq!(run(), run());
+        }
+    }
+}

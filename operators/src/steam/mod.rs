@@ -1,0 +1,364 @@
+//! The STEAM write path ("From Atom to Community", arXiv 2601.16872) as two
+//! batch operators over in-memory state, with no I/O:
+//!
+//! 1. [`SteamState::observe`] (the ingest path, per user partition): memory
+//!    formation and consolidation for a micro-batch of observations, per user
+//!    in event-time order ([`memory`]).
+//! 2. [`SteamState::link`] (the community stage, a single writer): relation
+//!    extraction for the memories that changed, in one kernel call
+//!    ([`relations`]); incremental community maintenance ([`community`]);
+//!    prototypes for the communities that changed.
+//!
+//! The pipeline persists what each step returns (tables `memories`,
+//! `memory_links`, `prototypes`). Choices the paper leaves open are
+//! configuration (`SteamParams`) and are written down in docs/steam.md.
+
+pub mod community;
+pub mod memory;
+pub mod relations;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use steamrf_kernels::SimilarityKernel;
+
+use self::community::{Communities, CommunityDelta, GraphBatch};
+use self::memory::{EvolveParams, Memory, Observation, Step, UserMemories, summarise};
+use self::relations::{Link, MemoryIndex};
+
+/// A memory's global id (also a community's and a prototype's id: a member's).
+pub type MemoryId = u64;
+
+/// Parameters of the write path.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SteamParams {
+    /// Formation and consolidation (τ, the ablation switch, the per-user cap).
+    pub evolve: EvolveParams,
+    /// k1: links per memory to other users' memories (paper: 2).
+    pub k1: usize,
+    /// τ for links (the paper uses one τ = 0.5 for both).
+    pub link_tau: f32,
+    /// A prototype is published only when its community spans at least this
+    /// many distinct users (a privacy floor beyond the paper).
+    pub min_users: usize,
+}
+
+impl Default for SteamParams {
+    fn default() -> Self {
+        Self {
+            evolve: EvolveParams::default(),
+            k1: 2,
+            link_tau: 0.5,
+            min_users: 3,
+        }
+    }
+}
+
+/// A prototype memory p_k = {c_k, e_k, L_k} of one community.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prototype {
+    /// The community's id.
+    pub id: MemoryId,
+    /// c_k: a summary of the members.
+    pub content: String,
+    /// e_k: the normalised mean of the members' embeddings.
+    pub embedding: Vec<f32>,
+    /// L_k: the members.
+    pub members: Vec<MemoryId>,
+    /// Distinct users among the members.
+    pub users: usize,
+}
+
+/// What [`SteamState::observe`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ObserveOutcome {
+    /// Memories formed or consolidated, in the order first changed.
+    pub changed: Vec<MemoryId>,
+    /// New memories.
+    pub formed: u64,
+    /// Consolidations.
+    pub consolidated: u64,
+    /// Replayed observations that changed nothing.
+    pub unchanged: u64,
+}
+
+/// What [`SteamState::link`] did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LinkOutcome {
+    /// Links now held by the re-linked memories (replacing their old ones).
+    pub links: Vec<Link>,
+    /// Links dropped from the re-linked memories.
+    pub links_removed: Vec<(MemoryId, MemoryId)>,
+    /// Community changes.
+    pub delta: CommunityDelta,
+    /// Prototypes created or changed.
+    pub prototypes: Vec<Prototype>,
+    /// Prototypes withdrawn (community gone, or below the user floor).
+    pub prototypes_removed: Vec<MemoryId>,
+}
+
+/// The whole write-path state.
+#[derive(Debug)]
+pub struct SteamState {
+    params: SteamParams,
+    users: BTreeMap<String, UserMemories>,
+    owner: HashMap<MemoryId, String>,
+    index: MemoryIndex,
+    communities: Communities,
+    out_links: HashMap<MemoryId, Vec<Link>>,
+    prototypes: HashMap<MemoryId, Prototype>,
+}
+
+impl SteamState {
+    /// Empty state for `dim`-dimensional embeddings.
+    pub fn new(params: SteamParams, dim: usize) -> Self {
+        Self {
+            params,
+            users: BTreeMap::new(),
+            owner: HashMap::new(),
+            index: MemoryIndex::new(dim),
+            communities: Communities::new(),
+            out_links: HashMap::new(),
+            prototypes: HashMap::new(),
+        }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SteamParams {
+        &self.params
+    }
+
+    /// A user's memories.
+    pub fn user(&self, user_id: &str) -> Option<&UserMemories> {
+        self.users.get(user_id)
+    }
+
+    /// A memory by id.
+    pub fn memory(&self, id: MemoryId) -> Option<&Memory> {
+        let u = self.users.get(self.owner.get(&id)?)?;
+        u.memories.iter().find(|m| m.id == id)
+    }
+
+    /// Published prototypes.
+    pub fn prototypes(&self) -> impl Iterator<Item = &Prototype> {
+        self.prototypes.values()
+    }
+
+    /// A published prototype.
+    pub fn prototype(&self, id: MemoryId) -> Option<&Prototype> {
+        self.prototypes.get(&id)
+    }
+
+    /// The communities.
+    pub fn communities(&self) -> &Communities {
+        &self.communities
+    }
+
+    /// Number of memories.
+    pub fn len(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// Whether there are no memories.
+    pub fn is_empty(&self) -> bool {
+        self.owner.is_empty()
+    }
+
+    fn touch(&mut self, user_id: &str, id: MemoryId) -> Result<(), steamrf_kernels::Error> {
+        self.owner.insert(id, user_id.to_owned());
+        let emb = self
+            .users
+            .get(user_id)
+            .and_then(|u| u.memories.iter().find(|m| m.id == id))
+            .map(|m| m.embedding.clone())
+            .unwrap_or_default();
+        self.index.upsert(id, user_id, &emb)
+    }
+
+    /// t = 0: a user's memory from their profile.
+    ///
+    /// # Errors
+    /// A wrong-length or non-finite embedding.
+    pub fn init_profile(
+        &mut self,
+        user_id: &str,
+        event_id: &str,
+        ts_ms: i64,
+        content: String,
+        embedding: Vec<f32>,
+    ) -> Result<MemoryId, steamrf_kernels::Error> {
+        let id = self
+            .users
+            .entry(user_id.to_owned())
+            .or_insert_with(|| UserMemories::new(user_id))
+            .init_from_profile(event_id, ts_ms, content, embedding);
+        self.touch(user_id, id)?;
+        Ok(id)
+    }
+
+    /// Formation and consolidation for a micro-batch. Observations are
+    /// applied per user in event-time order (ties by event id), whatever
+    /// order they arrive in, so replays give the same memories.
+    ///
+    /// # Errors
+    /// A wrong-length or non-finite embedding (nothing after it is applied).
+    pub fn observe(
+        &mut self,
+        mut batch: Vec<(String, Observation)>,
+    ) -> Result<ObserveOutcome, steamrf_kernels::Error> {
+        batch.sort_by(|a, b| {
+            (a.0.as_str(), a.1.timestamp_ms, a.1.event_id.as_str()).cmp(&(
+                b.0.as_str(),
+                b.1.timestamp_ms,
+                b.1.event_id.as_str(),
+            ))
+        });
+        let mut out = ObserveOutcome::default();
+        let mut seen = BTreeSet::new();
+        for (user_id, obs) in &batch {
+            let step = self
+                .users
+                .entry(user_id.clone())
+                .or_insert_with(|| UserMemories::new(user_id.as_str()))
+                .observe(obs, &self.params.evolve);
+            let id = match step {
+                Step::Formed(id) => {
+                    out.formed += 1;
+                    id
+                }
+                Step::Consolidated(id) => {
+                    out.consolidated += 1;
+                    id
+                }
+                Step::Unchanged(_) => {
+                    out.unchanged += 1;
+                    continue;
+                }
+            };
+            self.touch(user_id, id)?;
+            if seen.insert(id) {
+                out.changed.push(id);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Relation extraction, community maintenance and prototypes for the
+    /// memories in `changed` (the stream of memory changes).
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn link(
+        &mut self,
+        kernel: &dyn SimilarityKernel,
+        changed: &[MemoryId],
+    ) -> Result<LinkOutcome, steamrf_kernels::Error> {
+        let mut out = LinkOutcome::default();
+        let found = self
+            .index
+            .extract(kernel, changed, self.params.k1, self.params.link_tau)?;
+        let mut new_links: BTreeMap<MemoryId, Vec<Link>> =
+            changed.iter().map(|&id| (id, Vec::new())).collect();
+        for l in found {
+            new_links.entry(l.from).or_default().push(l);
+        }
+        let mut batch = GraphBatch::default();
+        for (&from, links) in &new_links {
+            if !self.owner.contains_key(&from) {
+                continue;
+            }
+            batch.add_nodes.push(from);
+            let old = self
+                .out_links
+                .insert(from, links.clone())
+                .unwrap_or_default();
+            let new_targets: BTreeSet<MemoryId> = links.iter().map(|l| l.to).collect();
+            for o in old.iter().filter(|o| !new_targets.contains(&o.to)) {
+                out.links_removed.push((from, o.to));
+                // The undirected edge stays if the other side still links back.
+                let back = self
+                    .out_links
+                    .get(&o.to)
+                    .is_some_and(|ls| ls.iter().any(|l| l.to == from));
+                if !back {
+                    batch.remove_edges.push((from, o.to));
+                }
+            }
+            for l in links {
+                batch.add_edges.push((from, l.to));
+            }
+            out.links.extend(links.iter().copied());
+        }
+        out.delta = self.communities.apply(&batch);
+        self.refresh_prototypes(&mut out);
+        Ok(out)
+    }
+
+    /// Rebuilds the prototypes of changed communities, withdraws removed
+    /// ones, and updates members' community links (L).
+    fn refresh_prototypes(&mut self, out: &mut LinkOutcome) {
+        for id in &out.delta.removed {
+            if self.prototypes.remove(id).is_some() {
+                out.prototypes_removed.push(*id);
+            }
+        }
+        let changed: Vec<MemoryId> = out.delta.changed.iter().copied().collect();
+        for c in changed {
+            let Some(members) = self.communities.members(c) else {
+                continue;
+            };
+            let members: Vec<MemoryId> = members.iter().copied().collect();
+            let mut users = BTreeSet::new();
+            let mut facets: BTreeMap<String, u32> = BTreeMap::new();
+            let mut recent = Vec::new();
+            let mut sum: Vec<f32> = Vec::new();
+            for &m in &members {
+                let Some(user) = self.owner.get(&m).cloned() else {
+                    continue;
+                };
+                let Some(mem) = self
+                    .users
+                    .get_mut(&user)
+                    .and_then(|u| u.memories.iter_mut().find(|x| x.id == m))
+                else {
+                    continue;
+                };
+                mem.community = Some(c);
+                users.insert(user);
+                for (f, n) in &mem.facets {
+                    *facets.entry(f.clone()).or_default() += n;
+                }
+                if let Some(r) = mem.recent.last() {
+                    recent.push(r.clone());
+                }
+                if sum.is_empty() {
+                    sum = vec![0.0; mem.embedding.len()];
+                }
+                for (s, v) in sum.iter_mut().zip(&mem.embedding) {
+                    *s += v;
+                }
+            }
+            if users.len() < self.params.min_users {
+                if self.prototypes.remove(&c).is_some() {
+                    out.prototypes_removed.push(c);
+                }
+                continue;
+            }
+            recent.sort();
+            recent.dedup();
+            recent.truncate(memory::RECENT);
+            let norm = sum.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+            let p = Prototype {
+                id: c,
+                content: summarise(&facets, &recent),
+                embedding: sum.iter().map(|x| x / norm).collect(),
+                members,
+                users: users.len(),
+            };
+            self.prototypes.insert(c, p.clone());
+            out.prototypes.push(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,186 @@
+//! Relation extraction (STEAM §3.2.2): each new or changed memory links to
+//! its global top-k1 most similar memories *of other users* with cosine ≥ τ,
+//! found in one batch call to the similarity kernel.
+//!
+//! [`MemoryIndex`] is the shared embedding space: one row per memory, updated
+//! in place when a memory changes, tombstoned when one is deleted (rows are
+//! reused by later memories).
+
+use std::collections::HashMap;
+
+use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
+
+use super::MemoryId;
+
+/// Every memory's embedding and owner, for global search.
+#[derive(Debug, Clone)]
+pub struct MemoryIndex {
+    corpus: Corpus,
+    ids: Vec<MemoryId>,
+    owners: Vec<u32>,
+    live: Vec<bool>,
+    row_of: HashMap<MemoryId, usize>,
+    free: Vec<usize>,
+    user_ids: HashMap<String, u32>,
+}
+
+/// One link found: `from` → `to` with cosine `score`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// The new or changed memory.
+    pub from: MemoryId,
+    /// A memory of another user.
+    pub to: MemoryId,
+    /// Cosine similarity.
+    pub score: f32,
+}
+
+impl MemoryIndex {
+    /// An empty index of `dim`-dimensional embeddings.
+    pub fn new(dim: usize) -> Self {
+        Self {
+            corpus: Corpus::new(dim),
+            ids: Vec::new(),
+            owners: Vec::new(),
+            live: Vec::new(),
+            row_of: HashMap::new(),
+            free: Vec::new(),
+            user_ids: HashMap::new(),
+        }
+    }
+
+    /// Live memories.
+    pub fn len(&self) -> usize {
+        self.row_of.len()
+    }
+
+    /// Whether there are no live memories.
+    pub fn is_empty(&self) -> bool {
+        self.row_of.is_empty()
+    }
+
+    /// Inserts or replaces memory `id` of `user`.
+    ///
+    /// # Errors
+    /// A wrong-length or non-finite embedding.
+    pub fn upsert(
+        &mut self,
+        id: MemoryId,
+        user: &str,
+        embedding: &[f32],
+    ) -> steamrf_kernels::Result<()> {
+        let next = self.user_ids.len() as u32;
+        let owner = *self.user_ids.entry(user.to_owned()).or_insert(next);
+        if let Some(&row) = self.row_of.get(&id) {
+            self.corpus.set_row(row, embedding)?;
+            self.owners[row] = owner;
+            return Ok(());
+        }
+        let row = match self.free.pop() {
+            Some(row) => {
+                if let Err(e) = self.corpus.set_row(row, embedding) {
+                    self.free.push(row);
+                    return Err(e);
+                }
+                self.ids[row] = id;
+                self.owners[row] = owner;
+                self.live[row] = true;
+                row
+            }
+            None => {
+                self.corpus.push_rows(embedding)?;
+                self.ids.push(id);
+                self.owners.push(owner);
+                self.live.push(true);
+                self.ids.len() - 1
+            }
+        };
+        self.row_of.insert(id, row);
+        Ok(())
+    }
+
+    /// Removes memory `id` (its row is reused later).
+    pub fn remove(&mut self, id: MemoryId) {
+        if let Some(row) = self.row_of.remove(&id) {
+            self.live[row] = false;
+            self.free.push(row);
+        }
+    }
+
+    /// For each of `memories` (ids already in the index), its top-`k1`
+    /// memories of other users with cosine ≥ `tau`, in one kernel call.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn extract(
+        &self,
+        kernel: &dyn SimilarityKernel,
+        memories: &[MemoryId],
+        k1: usize,
+        tau: f32,
+    ) -> steamrf_kernels::Result<Vec<Link>> {
+        let rows: Vec<usize> = memories
+            .iter()
+            .filter_map(|id| self.row_of.get(id).copied())
+            .collect();
+        if rows.is_empty() || k1 == 0 {
+            return Ok(Vec::new());
+        }
+        let dim = self.corpus.dim();
+        let mut queries = Vec::with_capacity(rows.len() * dim);
+        for &r in &rows {
+            queries.extend_from_slice(self.corpus.row(r));
+        }
+        let exclude = |q: usize, c: usize| !self.live[c] || self.owners[c] == self.owners[rows[q]];
+        let params = SearchParams {
+            k: k1,
+            min_score: tau,
+            exclude: Some(&exclude),
+        };
+        let hits = kernel.top_k(&queries, &self.corpus, &params)?;
+        let mut out = Vec::new();
+        for (q, hs) in hits.into_iter().enumerate() {
+            for h in hs {
+                out.push(Link {
+                    from: self.ids[rows[q]],
+                    to: self.ids[h.index as usize],
+                    score: h.score,
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use steamrf_kernels::cpu::CpuKernel;
+
+    #[test]
+    fn links_go_to_other_users_above_tau_only() {
+        let mut idx = MemoryIndex::new(2);
+        idx.upsert(1, "alice", &[1.0, 0.0]).unwrap();
+        idx.upsert(2, "alice", &[0.99, 0.1]).unwrap(); // same user: never linked
+        idx.upsert(3, "bob", &[0.9, 0.3]).unwrap();
+        idx.upsert(4, "carol", &[0.0, 1.0]).unwrap(); // orthogonal: below tau
+        idx.upsert(5, "dave", &[0.8, 0.5]).unwrap();
+        let links = idx.extract(&CpuKernel::default(), &[1], 2, 0.5).unwrap();
+        let to: Vec<MemoryId> = links.iter().map(|l| l.to).collect();
+        assert_eq!(to, vec![3, 5]);
+        assert!(links.iter().all(|l| l.from == 1 && l.score >= 0.5));
+        // Deleted memories are never linked, and their rows are reused.
+        idx.remove(3);
+        let to: Vec<MemoryId> = idx
+            .extract(&CpuKernel::default(), &[1], 2, 0.5)
+            .unwrap()
+            .iter()
+            .map(|l| l.to)
+            .collect();
+        assert_eq!(to, vec![5]);
+        idx.upsert(6, "erin", &[1.0, 0.0]).unwrap();
+        assert_eq!(idx.len(), 5);
+        let first = idx.extract(&CpuKernel::default(), &[1], 1, 0.5).unwrap();
+        assert_eq!(first[0].to, 6);
+    }
+}
