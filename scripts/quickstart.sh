@@ -21,6 +21,8 @@ q() { echo; echo "\$ steamrf sql \"$1\""; "$steamrf" sql --config examples/quick
 q "SELECT kind, count(*) AS events, count(DISTINCT user_id) AS users FROM interactions GROUP BY kind ORDER BY kind"
 q "SELECT i.user_id, it.title, it.categories FROM interactions i JOIN items it ON i.item_id = it.item_id WHERE i.kind = 'purchase' ORDER BY i.timestamp"
 q "SELECT user_id, role, text FROM interactions WHERE kind = 'dialogue_turn' ORDER BY timestamp LIMIT 4"
+# Dialogue turns and items carry all-MiniLM-L6-v2 embeddings; clicks and purchases do not.
+q "SELECT kind, count(*) AS events, count(embedding) AS embedded FROM interactions GROUP BY kind ORDER BY kind"
 echo
 echo "Dead letters (malformed sample events) are on topic steamrf-dead-letters:"
 .tools/bin/kcat -b 127.0.0.1:9092 -C -t steamrf-dead-letters -o beginning -e -q \

@@ -85,6 +85,24 @@ enum BenchCmd {
         #[arg(long, default_value = ".tools/venv/bin/python")]
         python: PathBuf,
     },
+    /// Per-batch relation extraction + community maintenance beside a full recomputation.
+    Communities {
+        /// Memories in the corpus.
+        #[arg(long, default_value_t = 1_000_000)]
+        memories: usize,
+        /// New memories per batch.
+        #[arg(long, default_value_t = 1000)]
+        batch: usize,
+        /// Incremental batches measured (median reported).
+        #[arg(long, default_value_t = 5)]
+        batches: usize,
+        /// Measure the full recomputation's extraction entirely (default: 3 query blocks, scaled).
+        #[arg(long)]
+        full_recompute: bool,
+        /// Embedding dimension.
+        #[arg(long, default_value_t = 384)]
+        dim: usize,
+    },
     /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
     Embed {
         /// Texts to embed.
@@ -214,6 +232,29 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 python,
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
+            for l in lines {
+                println!("{l}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Communities {
+                    memories,
+                    batch,
+                    batches,
+                    full_recompute,
+                    dim,
+                },
+        } => {
+            let b = bench::CommunitiesBench {
+                memories,
+                batch,
+                batches,
+                full_recompute,
+                dim,
+            };
+            let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
             for l in lines {
                 println!("{l}");
             }

@@ -293,6 +293,62 @@ impl SteamState {
         Ok(out)
     }
 
+    /// The relation-extraction half of [`SteamState::link`] for `memories`,
+    /// without changing anything (benchmarks, and checks).
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn link_dry_run(
+        &self,
+        kernel: &dyn SimilarityKernel,
+        memories: &[MemoryId],
+    ) -> Result<Vec<Link>, steamrf_kernels::Error> {
+        self.index
+            .extract(kernel, memories, self.params.k1, self.params.link_tau)
+    }
+
+    /// Restores a memory as persisted (recovery, or bulk loading), without
+    /// evolution or linking.
+    ///
+    /// # Errors
+    /// A wrong-length or non-finite embedding.
+    pub fn restore_memory(&mut self, m: Memory) -> Result<(), steamrf_kernels::Error> {
+        let (user, id) = (m.user_id.clone(), m.id);
+        let u = self
+            .users
+            .entry(user.clone())
+            .or_insert_with(|| UserMemories::new(user.as_str()));
+        match u.memories.iter_mut().find(|x| x.id == id) {
+            Some(x) => *x = m,
+            None => u.memories.push(m),
+        }
+        self.touch(&user, id)
+    }
+
+    /// Restores a memory's links as persisted, without extraction; call
+    /// [`SteamState::rebuild`] after the last one.
+    pub fn restore_links(&mut self, from: MemoryId, links: Vec<Link>) {
+        self.out_links.insert(from, links);
+    }
+
+    /// Recomputes every community and prototype from the memories and links
+    /// (from scratch).
+    pub fn rebuild(&mut self) -> LinkOutcome {
+        let edges: Vec<(MemoryId, MemoryId)> = self
+            .out_links
+            .values()
+            .flatten()
+            .filter(|l| self.owner.contains_key(&l.to))
+            .map(|l| (l.from, l.to))
+            .collect();
+        self.communities = Communities::from_graph(self.owner.keys().copied(), edges);
+        self.prototypes.clear();
+        let mut out = LinkOutcome::default();
+        out.delta.changed = self.communities.iter().map(|(c, _)| c).collect();
+        self.refresh_prototypes(&mut out);
+        out
+    }
+
     /// Rebuilds the prototypes of changed communities, withdraws removed
     /// ones, and updates members' community links (L).
     fn refresh_prototypes(&mut self, out: &mut LinkOutcome) {

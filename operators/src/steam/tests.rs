@@ -147,3 +147,34 @@ fn relinking_a_changed_memory_replaces_its_links_and_updates_communities() {
     let c = s.communities().community_of(alice).unwrap();
     assert_eq!(s.prototype(c).unwrap().users, 4);
 }
+
+#[test]
+fn restoring_memories_and_links_rebuilds_the_same_communities() {
+    let mut s = SteamState::new(SteamParams::default(), 3);
+    let o = s.observe(jazz_and_scifi()).unwrap();
+    let l = s.link(&CpuKernel::default(), &o.changed).unwrap();
+    let mut r = SteamState::new(SteamParams::default(), 3);
+    for u in ["alice", "bob", "carol", "dave"] {
+        for m in &s.user(u).unwrap().memories {
+            r.restore_memory(m.clone()).unwrap();
+        }
+    }
+    let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
+    for link in &l.links {
+        by_from.entry(link.from).or_default().push(*link);
+    }
+    for (from, links) in by_from {
+        r.restore_links(from, links);
+    }
+    r.rebuild();
+    assert_eq!(r.communities().partition(), s.communities().partition());
+    let protos = |s: &SteamState| {
+        let mut v: Vec<(Vec<MemoryId>, String)> = s
+            .prototypes()
+            .map(|p| (p.members.clone(), p.content.clone()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(protos(&r), protos(&s));
+}
