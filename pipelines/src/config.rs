@@ -38,6 +38,45 @@ pub struct Config {
     pub lancedb: LanceDbConfig,
     /// Embeddings of dialogue turns and items.
     pub embed: EmbedConfig,
+    /// The STEAM write path.
+    pub steam: SteamConfig,
+}
+
+/// `[steam]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SteamConfig {
+    /// Run the write path in this process.
+    pub enabled: bool,
+    /// τ for consolidation.
+    pub tau: f32,
+    /// k1: links per memory.
+    pub k1: usize,
+    /// τ for links.
+    pub link_tau: f32,
+    /// Users a community must span before its prototype is published.
+    pub min_users: usize,
+    /// Consolidate (false: the "w/o MC" ablation).
+    pub consolidate: bool,
+    /// Cap on memories per user.
+    pub max_memories_per_user: usize,
+}
+
+impl SteamConfig {
+    /// The operators' parameters.
+    pub fn params(&self) -> steamrf_operators::steam::SteamParams {
+        use steamrf_operators::steam::{SteamParams, memory::EvolveParams};
+        SteamParams {
+            evolve: EvolveParams {
+                tau: self.tau,
+                consolidate: self.consolidate,
+                max_memories_per_user: self.max_memories_per_user,
+            },
+            k1: self.k1,
+            link_tau: self.link_tau,
+            min_users: self.min_users,
+        }
+    }
 }
 
 /// Which embedding engine runs.
@@ -444,9 +483,9 @@ fn layered(
 fn typed(table: Table) -> Result<Config, Vec<String>> {
     let mut problems = Vec::new();
     for k in table.keys() {
-        if !["kafka", "batch", "lancedb", "embed"].contains(&k.as_str()) {
+        if !["kafka", "batch", "lancedb", "embed", "steam"].contains(&k.as_str()) {
             problems.push(format!(
-                "unknown section `{k}` (expected kafka, batch, lancedb, embed)"
+                "unknown section `{k}` (expected kafka, batch, lancedb, embed, steam)"
             ));
         }
     }
@@ -471,13 +510,17 @@ fn typed(table: Table) -> Result<Config, Vec<String>> {
     let batch = section::<BatchConfig>(&table, "batch", &mut problems);
     let lancedb = section::<LanceDbConfig>(&table, "lancedb", &mut problems);
     let embed = section::<EmbedConfig>(&table, "embed", &mut problems);
-    match (kafka, batch, lancedb, embed) {
-        (Some(kafka), Some(batch), Some(lancedb), Some(embed)) if problems.is_empty() => {
+    let steam = section::<SteamConfig>(&table, "steam", &mut problems);
+    match (kafka, batch, lancedb, embed, steam) {
+        (Some(kafka), Some(batch), Some(lancedb), Some(embed), Some(steam))
+            if problems.is_empty() =>
+        {
             Ok(Config {
                 kafka,
                 batch,
                 lancedb,
                 embed,
+                steam,
             })
         }
         _ => Err(problems),
@@ -600,6 +643,18 @@ impl Config {
         }
         if !e.item_template.contains("{title}") {
             p.push("embed.item_template: must contain {title}".to_owned());
+        }
+        let st = &self.steam;
+        for (name, v) in [("steam.tau", st.tau), ("steam.link_tau", st.link_tau)] {
+            if !(-1.0..=1.0).contains(&v) {
+                p.push(format!("{name}: a cosine, between -1 and 1"));
+            }
+        }
+        if st.max_memories_per_user == 0 {
+            p.push("steam.max_memories_per_user: must be > 0".to_owned());
+        }
+        if st.enabled && e.engine == EmbedEngine::Off {
+            p.push("steam.enabled: needs embeddings (embed.engine is off)".to_owned());
         }
         match e.engine {
             // The model directory is checked when the model loads (at start-up,

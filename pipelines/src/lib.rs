@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod sink;
 pub mod source;
 pub mod sql;
+pub mod steam;
 
 pub use config::Config;
 pub use error::{Error, ErrorKind, Result};

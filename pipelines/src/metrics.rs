@@ -72,6 +72,22 @@ pub struct Metrics {
     pub embed_failures: IntCounter,
     /// Duration of one embedding call (one micro-batch of one kind).
     pub embed_duration: Histogram,
+    /// Memory evolution steps, by kind (formed, consolidated).
+    pub steam_memories: IntCounterVec,
+    /// Interactions not observed (item unknown or without embedding).
+    pub steam_skipped: IntCounter,
+    /// Cross-user links written.
+    pub steam_links: IntCounter,
+    /// Community merges.
+    pub steam_merges: IntCounter,
+    /// Community splits.
+    pub steam_splits: IntCounter,
+    /// Communities (singletons included).
+    pub steam_communities: IntGauge,
+    /// Published prototypes.
+    pub steam_prototypes: IntGauge,
+    /// Duration of the STEAM stage for one micro-batch.
+    pub steam_duration: Histogram,
 }
 
 fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -286,8 +302,58 @@ impl Metrics {
                 "Duration of one embedding call (one micro-batch of one kind).",
                 exponential_buckets(0.001, 2.0, 17).expect("valid buckets"),
             ),
+            steam_memories: counter(
+                &r,
+                "steamrf_steam_memory_steps_total",
+                "Memory evolution steps.",
+                &["kind"],
+            ),
+            steam_skipped: int_counter(
+                &r,
+                "steamrf_steam_skipped_interactions_total",
+                "Interactions not observed: item unknown or without an embedding.",
+            ),
+            steam_links: int_counter(
+                &r,
+                "steamrf_steam_links_total",
+                "Cross-user memory links written.",
+            ),
+            steam_merges: int_counter(
+                &r,
+                "steamrf_steam_community_merges_total",
+                "Community merges.",
+            ),
+            steam_splits: int_counter(
+                &r,
+                "steamrf_steam_community_splits_total",
+                "Community splits.",
+            ),
+            steam_communities: {
+                let g = IntGauge::new(
+                    "steamrf_steam_communities",
+                    "Memory communities, singletons included.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            steam_prototypes: {
+                let g = IntGauge::new("steamrf_steam_prototypes", "Published prototypes.")
+                    .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            steam_duration: histogram(
+                &r,
+                "steamrf_steam_duration_seconds",
+                "Duration of the STEAM stage (evolution, links, communities, prototypes, writes) for one micro-batch.",
+                exponential_buckets(0.001, 2.0, 17).expect("valid buckets"),
+            ),
             registry: r,
         };
+        for k in ["formed", "consolidated"] {
+            m.steam_memories.with_label_values(&[k]);
+        }
         for k in ["dialogue_turn", "item"] {
             m.embed_texts.with_label_values(&[k]);
             m.embed_skipped.with_label_values(&[k]);
@@ -310,7 +376,7 @@ impl Metrics {
             m.optimizations.with_label_values(&[t.as_str()]);
             m.table_version.with_label_values(&[t.as_str()]);
         }
-        for c in ["source", "sink", "embed"] {
+        for c in ["source", "sink", "embed", "steam"] {
             for k in [ErrorKind::Config, ErrorKind::External, ErrorKind::Internal] {
                 m.errors.with_label_values(&[c, k.as_str()]);
             }

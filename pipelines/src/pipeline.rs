@@ -18,6 +18,7 @@ use crate::error::{Error, Result, backoff};
 use crate::metrics::Metrics;
 use crate::sink::LanceSink;
 use crate::source::{self, KafkaConsumer, SourceBatch, SourceLoop};
+use crate::steam::SteamStage;
 
 /// How many times a retryable write is attempted before the pipeline stops.
 const WRITE_ATTEMPTS: u32 = 8;
@@ -89,11 +90,18 @@ async fn run_inner(
     ready: Arc<AtomicBool>,
 ) -> Result<RunSummary> {
     let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
+    let embedder = crate::embed::embedder(&config.embed)?;
     let stage = Arc::new(EmbedStage::new(
-        crate::embed::embedder(&config.embed)?,
+        embedder.clone(),
         config.embed.item_template.clone(),
         metrics.clone(),
     ));
+    let mut steam = if config.steam.enabled {
+        let db = crate::sink::connect(&config.lancedb).await?;
+        Some(SteamStage::open(&db, config.steam.params(), embedder, metrics.clone()).await?)
+    } else {
+        None
+    };
     if config.kafka.create_dead_letter_topic {
         source::ensure_topic(
             &config.kafka.brokers,
@@ -153,6 +161,7 @@ async fn run_inner(
         };
         if let Err(e) = write_batch(
             &sink,
+            steam.as_mut(),
             &consumer,
             &metrics,
             batch,
@@ -268,6 +277,7 @@ async fn embed_batch(
 
 async fn write_batch(
     sink: &LanceSink,
+    steam: Option<&mut SteamStage>,
     consumer: &KafkaConsumer,
     metrics: &Metrics,
     batch: SourceBatch,
@@ -299,6 +309,21 @@ async fn write_batch(
             inserted = stats.inserted,
             version = stats.version,
             "Batch written."
+        );
+    }
+    // The write path runs on what was just written, before the commit: a
+    // failure stops the pipeline uncommitted, and the restart restores the
+    // memory state from its tables and replays the batch (idempotently).
+    if let Some(steam) = steam {
+        let st = steam.apply(&batch.tables).await.inspect_err(|e| {
+            metrics.error("steam", e);
+        })?;
+        tracing::debug!(
+            formed = st.formed,
+            consolidated = st.consolidated,
+            links = st.links,
+            prototypes = st.prototypes,
+            "STEAM batch applied."
         );
     }
     for f in batch.dead_letters {

@@ -47,26 +47,37 @@ pub async fn connect(cfg: &LanceDbConfig) -> Result<Connection> {
 /// # Errors
 /// [`Error::Lance`] on storage errors, [`Error::Config`] on a schema mismatch.
 pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
-    let expected = name.schema();
-    let table = match db.open_table(name.as_str()).execute().await {
+    open_or_create_named(db, name.as_str(), name.schema()).await
+}
+
+/// [`open_or_create`] for any table name and schema.
+///
+/// # Errors
+/// As [`open_or_create`].
+pub async fn open_or_create_named(
+    db: &Connection,
+    name: &str,
+    expected: arrow_schema::SchemaRef,
+) -> Result<Table> {
+    let table = match db.open_table(name).execute().await {
         Ok(t) => t,
         Err(lancedb::Error::TableNotFound { .. }) => {
             match db
-                .create_empty_table(name.as_str(), expected.clone())
+                .create_empty_table(name, expected.clone())
                 .execute()
                 .await
             {
                 Ok(t) => t,
                 // Another instance created it first.
                 Err(lancedb::Error::TableAlreadyExists { .. }) => db
-                    .open_table(name.as_str())
+                    .open_table(name)
                     .execute()
                     .await
-                    .map_err(Error::lance(format!("opening {}", name.as_str())))?,
-                Err(e) => return Err(Error::lance(format!("creating {}", name.as_str()))(e)),
+                    .map_err(Error::lance(format!("opening {}", name)))?,
+                Err(e) => return Err(Error::lance(format!("creating {}", name))(e)),
             }
         }
-        Err(e) => return Err(Error::lance(format!("opening {}", name.as_str()))(e)),
+        Err(e) => return Err(Error::lance(format!("opening {}", name))(e)),
     };
     let actual = table
         .schema()
@@ -82,7 +93,7 @@ pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
         return Err(Error::Config {
             problems: vec![format!(
                 "table {} exists with a different schema than this build writes; migrate or point lancedb.uri elsewhere.\n    found:    {:?}\n    expected: {:?}",
-                name.as_str(),
+                name,
                 names(&actual),
                 names(&expected)
             )],

@@ -10,6 +10,7 @@
 
 mod error;
 mod event;
+pub mod memory;
 pub mod tables;
 
 pub use error::{DecodeError, DecodeErrorKind};

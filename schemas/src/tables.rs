@@ -576,6 +576,16 @@ mod tests {
     }
 
     #[test]
+    fn memory_table_schemas_match_golden() {
+        for t in crate::memory::MemoryTable::ALL {
+            golden(
+                &format!("table_{}", t.as_str()),
+                &describe_schema(&t.schema()),
+            );
+        }
+    }
+
+    #[test]
     fn event_schemas_match_golden() {
         for ty in EventType::ALL {
             golden(

@@ -308,6 +308,147 @@ fn two_instances_share_then_hand_over() {
     assert_tables(&uri, &total);
 }
 
+/// Events through Kafka to the STEAM tables: memories per user, links only
+/// across users, a prototype for the community four users share (not for the
+/// one only two share), and a replay that changes nothing.
+#[test]
+fn events_become_memories_communities_and_prototypes() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-steam");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let mut lines = Vec::new();
+    let mut n = 0;
+    let mut ev = |body: String| {
+        n += 1;
+        let ts = 1_764_000_000_000i64 + n * 1000;
+        lines.push(format!(
+            r#"{{"schema_version":1,"event_id":"{topic}-{n}","timestamp":{ts},{body}}}"#
+        ));
+    };
+    for i in 0..6 {
+        ev(format!(
+            r#""type":"item","item_id":"jazz{i}","title":"Jazz Standards Collection Volume {i}","categories":["Jazz","Bebop"]"#
+        ));
+    }
+    for i in 0..3 {
+        ev(format!(
+            r#""type":"item","item_id":"space{i}","title":"Galactic Space Opera Saga Part {i}","categories":["Science Fiction","Space Opera"]"#
+        ));
+    }
+    for u in 0..4 {
+        for i in 0..3 {
+            ev(format!(
+                r#""type":"click","user_id":"user{u}","item_id":"jazz{}""#,
+                (u + i) % 6
+            ));
+        }
+    }
+    for u in 0..2 {
+        ev(format!(
+            r#""type":"purchase","user_id":"user{u}","item_id":"space{u}","quantity":1,"price":9.5,"currency":"EUR""#
+        ));
+    }
+    ev(r#""type":"dialogue_turn","user_id":"user3","session_id":"s","role":"user","text":"Any more bebop jazz standards like these?""#.to_owned());
+    ev(r#""type":"dialogue_turn","user_id":"user3","session_id":"s","role":"assistant","text":"Try Giant Steps.""#.to_owned());
+    ev(
+        r#""type":"profile","user_id":"user0","attributes":{"age":31,"likes":"jazz piano"}"#
+            .to_owned(),
+    );
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    // One partition: items reach the pipeline before the clicks that need them.
+    produce_all(&topic, 1, &file);
+
+    let mut uri = String::new();
+    let mut snapshots = Vec::new();
+    for name in ["first", "replay"] {
+        let group = format!("{topic}-{name}");
+        let cfg = PipelineConfig {
+            dir: dir.path(),
+            topic: &topic,
+            group: &group,
+            dlq: &dlq,
+            max_rows: 1000,
+            linger_ms: 100,
+        };
+        let config = cfg.write();
+        let mut text = std::fs::read_to_string(&config).unwrap();
+        text.push_str("[steam]\nenabled = true\n");
+        std::fs::write(&config, text).unwrap();
+        let mut p = Pipeline::start(&config, Some("3s"));
+        assert!(
+            p.wait(Duration::from_secs(120)).success(),
+            "{}",
+            p.log_text()
+        );
+        let u = cfg.lancedb_uri();
+        snapshots.push(sql_text(
+            &u,
+            "SELECT memory_id, user_id, version, support, community_id, content FROM memories ORDER BY memory_id",
+        ));
+        snapshots.push(sql_text(
+            &u,
+            "SELECT prototype_id, users, content FROM prototypes ORDER BY prototype_id",
+        ));
+        uri = u;
+    }
+    assert_eq!(snapshots[0], snapshots[2], "a replay changes no memory");
+    assert_eq!(snapshots[1], snapshots[3], "a replay changes no prototype");
+
+    // Every user has memories; user0's profile is one of them; the
+    // assistant's turn is not observed, the user's is.
+    assert_eq!(
+        sql_count(&uri, "SELECT count(DISTINCT user_id) AS n FROM memories"),
+        4
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memories WHERE content LIKE 'User profile:%'"
+        ),
+        1
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT sum(support) AS n FROM memories WHERE content NOT LIKE 'User profile:%'"
+        ),
+        4 * 3 + 2 + 1,
+        "every click, purchase and user turn is linked to exactly one memory"
+    );
+    // Links only across users.
+    assert!(sql_count(&uri, "SELECT count(*) AS n FROM memory_links") > 0);
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memory_links WHERE from_user = to_user"
+        ),
+        0
+    );
+    // The jazz community spans four users: published. Sci-fi spans two: not.
+    assert!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM prototypes WHERE users >= 3 AND content LIKE '%Jazz%'"
+        ) >= 1,
+        "{}",
+        snapshots[1]
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM prototypes WHERE content LIKE '%Science Fiction%'"
+        ),
+        0,
+        "{}",
+        snapshots[1]
+    );
+    assert_eq!(
+        sql_count(&uri, "SELECT count(*) AS n FROM prototypes WHERE users < 3"),
+        0
+    );
+}
+
 /// `steamrf validate` reports every problem at once and exits 2.
 #[test]
 fn validate_reports_every_problem() {

@@ -381,6 +381,21 @@ pub fn try_sql_count(uri: &str, sql: &str) -> Option<i64> {
         .ok()
 }
 
+/// The pretty-printed result of `sql` (for comparing whole tables).
+pub fn sql_text(uri: &str, sql: &str) -> String {
+    let out = Command::new(steamrf_bin())
+        .args(["sql", sql])
+        .env("STEAMRF__LANCEDB__URI", uri)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// As [`try_sql_count`], failing the test if the query fails.
 pub fn sql_count(uri: &str, sql: &str) -> i64 {
     try_sql_count(uri, sql).unwrap_or_else(|| panic!("steamrf sql {sql:?} failed on {uri}"))

@@ -52,6 +52,8 @@ pub struct CommunityDelta {
     pub splits: u64,
     /// Memories whose community id changed.
     pub relabelled: u64,
+    /// The memories whose community id changed or that are new (to persist).
+    pub moved: BTreeSet<MemoryId>,
 }
 
 /// The link graph and its communities.
@@ -166,6 +168,7 @@ impl Communities {
         self.label.insert(m, m);
         self.members.insert(m, BTreeSet::from([m]));
         delta.changed.insert(m);
+        delta.moved.insert(m);
     }
 
     /// Applies one batch: removals first (splits), then additions (merges).
@@ -228,6 +231,7 @@ impl Communities {
         // A community removed and then re-created under the same id is changed, not removed.
         delta.removed.retain(|c| !self.members.contains_key(c));
         delta.changed.retain(|c| self.members.contains_key(c));
+        delta.moved.retain(|m| self.label.contains_key(m));
         delta
     }
 
@@ -250,6 +254,7 @@ impl Communities {
         while let Some(m) = queue.pop_front() {
             self.label.insert(m, keep);
             delta.relabelled += 1;
+            delta.moved.insert(m);
         }
         self.members.entry(keep).or_default().extend(moved);
         delta.merges += 1;
@@ -286,6 +291,7 @@ impl Communities {
             for &m in &part {
                 if self.label.insert(m, id) != Some(id) {
                     delta.relabelled += 1;
+                    delta.moved.insert(m);
                 }
             }
             self.members.insert(id, part);
@@ -445,6 +451,10 @@ mod tests {
                 }
                 for id in &delta.removed {
                     prop_assert!(c.members(*id).is_none());
+                }
+                // Every memory whose label is reported moved has that label now.
+                for m in &delta.moved {
+                    prop_assert!(c.community_of(*m).is_some());
                 }
                 // Labels and member sets agree.
                 for (id, ms) in c.iter() {

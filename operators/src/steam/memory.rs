@@ -169,15 +169,22 @@ impl UserMemories {
     }
 
     /// t = 0: a memory from the user's static profile (content and its
-    /// embedding come from the caller). Replacing the profile replaces it.
+    /// embedding come from the caller). A newer profile replaces it; the
+    /// same or an older one changes nothing (`None`).
     pub fn init_from_profile(
         &mut self,
         event_id: &str,
         ts_ms: i64,
         content: String,
         embedding: Vec<f32>,
-    ) -> MemoryId {
+    ) -> Option<MemoryId> {
         let id = memory_id(&self.user_id, "profile");
+        if let Some(m) = self.memories.iter().find(|m| m.id == id) {
+            let stored = (m.updated_ms, m.interactions.first().map(String::as_str));
+            if stored >= (ts_ms, Some(event_id)) {
+                return None;
+            }
+        }
         let mem = Memory {
             id,
             user_id: self.user_id.clone(),
@@ -202,7 +209,7 @@ impl UserMemories {
             }
             None => self.memories.push(mem),
         }
-        id
+        Some(id)
     }
 
     /// The user's top-`k` memories by cosine with `query` (unit length),
@@ -389,6 +396,16 @@ mod tests {
         assert_eq!(u.memories.len(), 1);
         assert_eq!(u.memories[0].version, 2);
         assert_eq!(u.memories[0].embedding, vec![0.0, 1.0]);
+        // Replayed or older profiles change nothing.
+        assert_eq!(
+            u.init_from_profile("p2", 5, "age 32".into(), vec![0.0, 2.0]),
+            None
+        );
+        assert_eq!(
+            u.init_from_profile("p0", 1, "old".into(), vec![1.0, 0.0]),
+            None
+        );
+        assert_eq!(u.memories[0].version, 2);
     }
 
     #[test]

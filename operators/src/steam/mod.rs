@@ -174,7 +174,8 @@ impl SteamState {
         self.index.upsert(id, user_id, &emb)
     }
 
-    /// t = 0: a user's memory from their profile.
+    /// t = 0: a user's memory from their profile; `None` when the profile is
+    /// not newer than the one already applied (a replay).
     ///
     /// # Errors
     /// A wrong-length or non-finite embedding.
@@ -185,13 +186,15 @@ impl SteamState {
         ts_ms: i64,
         content: String,
         embedding: Vec<f32>,
-    ) -> Result<MemoryId, steamrf_kernels::Error> {
+    ) -> Result<Option<MemoryId>, steamrf_kernels::Error> {
         let id = self
             .users
             .entry(user_id.to_owned())
             .or_insert_with(|| UserMemories::new(user_id))
             .init_from_profile(event_id, ts_ms, content, embedding);
-        self.touch(user_id, id)?;
+        if let Some(id) = id {
+            self.touch(user_id, id)?;
+        }
         Ok(id)
     }
 

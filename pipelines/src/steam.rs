@@ -1,0 +1,602 @@
+//! The STEAM stage of the pipeline: after a micro-batch's ingest tables are
+//! written and before its offsets are committed, evolve the users' memories
+//! (formation, consolidation), extract cross-user relations, maintain
+//! communities and prototypes, and persist all of it to the `memories`,
+//! `memory_links` and `prototypes` tables.
+//!
+//! This is the in-process mode: one pipeline instance holds every user's
+//! memories. Running community maintenance as a separate single writer fed
+//! by an internal topic (for several ingest instances) is not built yet; with
+//! `steam.enabled`, run one instance.
+//!
+//! Replays are idempotent: observations whose event is already linked change
+//! nothing, and on start the state is restored from the tables.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow_array::builder::{
+    FixedSizeListBuilder, Float32Builder, Int32Builder, Int64Builder, ListBuilder, StringBuilder,
+    TimestampMillisecondBuilder,
+};
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float32Type, Int64Type, TimestampMillisecondType};
+use arrow_array::{Array, RecordBatch, RecordBatchIterator};
+use futures::TryStreamExt;
+use lancedb::Table;
+use lancedb::query::{ExecutableQuery, QueryBase, Select};
+use steamrf_kernels::cpu::CpuKernel;
+use steamrf_operators::embed::Embedder;
+use steamrf_operators::steam::memory::{Memory, Observation};
+use steamrf_operators::steam::relations::Link;
+use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
+use steamrf_schemas::TableBatches;
+use steamrf_schemas::memory::MemoryTable;
+use steamrf_schemas::tables::EMBEDDING_DIM;
+
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::sink::open_or_create_named;
+
+/// An item's metadata and embedding, for observations of clicks and purchases.
+#[derive(Debug, Clone)]
+struct ItemMeta {
+    title: String,
+    categories: Vec<String>,
+    embedding: Vec<f32>,
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SteamStats {
+    /// Memories formed.
+    pub formed: u64,
+    /// Consolidations.
+    pub consolidated: u64,
+    /// Interactions not observed (item unknown or not embedded, no embedding).
+    pub skipped: u64,
+    /// Links written.
+    pub links: u64,
+    /// Prototypes written.
+    pub prototypes: u64,
+}
+
+/// The stage.
+pub struct SteamStage {
+    state: SteamState,
+    kernel: CpuKernel,
+    items: HashMap<String, ItemMeta>,
+    memories: Table,
+    links: Table,
+    prototypes: Table,
+    embedder: Option<Arc<dyn Embedder>>,
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for SteamStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SteamStage")
+            .field("memories", &self.state.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lance(context: &str) -> impl FnOnce(lancedb::Error) -> Error + '_ {
+    move |e| Error::lance(context.to_owned())(e)
+}
+
+fn kernel_err(e: steamrf_kernels::Error) -> Error {
+    Error::Internal {
+        message: format!("steam: {e}"),
+    }
+}
+
+async fn scan(table: &Table, columns: &[&str]) -> Result<Vec<RecordBatch>> {
+    table
+        .query()
+        .select(Select::columns(columns))
+        .execute()
+        .await
+        .map_err(lance("scanning"))?
+        .try_collect()
+        .await
+        .map_err(lance("scanning"))
+}
+
+fn strings(list: &dyn Array, row: usize) -> Vec<String> {
+    let l = list.as_list::<i32>();
+    let v = l.value(row);
+    v.as_string::<i32>()
+        .iter()
+        .flatten()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn vector(col: &dyn Array, row: usize) -> Option<Vec<f32>> {
+    let l = col.as_fixed_size_list();
+    if l.is_null(row) {
+        return None;
+    }
+    Some(l.value(row).as_primitive::<Float32Type>().values().to_vec())
+}
+
+impl SteamStage {
+    /// Opens (or creates) the tables, restores the state from them, and
+    /// loads the item catalogue's embeddings.
+    ///
+    /// # Errors
+    /// LanceDB failures, or tables of another schema.
+    pub async fn open(
+        db: &lancedb::Connection,
+        params: SteamParams,
+        embedder: Option<Arc<dyn Embedder>>,
+        metrics: Metrics,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        let open = |t: MemoryTable| open_or_create_named(db, t.as_str(), t.schema());
+        let mut stage = Self {
+            state: SteamState::new(params, EMBEDDING_DIM),
+            kernel: CpuKernel::default(),
+            items: HashMap::new(),
+            memories: open(MemoryTable::Memories).await?,
+            links: open(MemoryTable::MemoryLinks).await?,
+            prototypes: open(MemoryTable::Prototypes).await?,
+            embedder,
+            metrics,
+        };
+        stage.restore().await?;
+        let items = db
+            .open_table("items")
+            .execute()
+            .await
+            .map_err(lance("opening items"))?;
+        for b in scan(&items, &["item_id", "title", "categories", "embedding"]).await? {
+            stage.remember_items(&b);
+        }
+        tracing::info!(
+            memories = stage.state.len(),
+            communities = stage.state.communities().count(),
+            items = stage.items.len(),
+            took = ?started.elapsed(),
+            "STEAM state restored."
+        );
+        Ok(stage)
+    }
+
+    async fn restore(&mut self) -> Result<()> {
+        for b in scan(
+            &self.memories,
+            &[
+                "memory_id",
+                "user_id",
+                "content",
+                "embedding",
+                "interaction_ids",
+                "community_id",
+                "created_at",
+                "updated_at",
+                "version",
+                "facets",
+                "recent",
+            ],
+        )
+        .await?
+        {
+            let id = b.column(0).as_primitive::<Int64Type>();
+            let user = b.column(1).as_string::<i32>();
+            let content = b.column(2).as_string::<i32>();
+            let created = b.column(6).as_primitive::<TimestampMillisecondType>();
+            let updated = b.column(7).as_primitive::<TimestampMillisecondType>();
+            let version = b.column(8).as_primitive::<Int64Type>();
+            let facets = b.column(9).as_string::<i32>();
+            for r in 0..b.num_rows() {
+                let Some(embedding) = vector(b.column(3), r) else {
+                    continue;
+                };
+                let m = Memory {
+                    id: id.value(r) as u64,
+                    user_id: user.value(r).to_owned(),
+                    content: content.value(r).to_owned(),
+                    embedding,
+                    interactions: strings(b.column(4), r),
+                    community: None,
+                    created_ms: created.value(r),
+                    updated_ms: updated.value(r),
+                    version: version.value(r) as u64,
+                    facets: serde_json::from_str(facets.value(r)).unwrap_or_default(),
+                    recent: strings(b.column(10), r),
+                };
+                self.state.restore_memory(m).map_err(kernel_err)?;
+            }
+        }
+        let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
+        for b in scan(&self.links, &["from_id", "to_id", "score"]).await? {
+            let from = b.column(0).as_primitive::<Int64Type>();
+            let to = b.column(1).as_primitive::<Int64Type>();
+            let score = b.column(2).as_primitive::<Float32Type>();
+            for r in 0..b.num_rows() {
+                by_from.entry(from.value(r) as u64).or_default().push(Link {
+                    from: from.value(r) as u64,
+                    to: to.value(r) as u64,
+                    score: score.value(r),
+                });
+            }
+        }
+        for (from, links) in by_from {
+            self.state.restore_links(from, links);
+        }
+        self.state.rebuild();
+        Ok(())
+    }
+
+    fn remember_items(&mut self, b: &RecordBatch) {
+        let (Some(id), Some(title), Some(cats), Some(emb)) = (
+            b.column_by_name("item_id"),
+            b.column_by_name("title"),
+            b.column_by_name("categories"),
+            b.column_by_name("embedding"),
+        ) else {
+            return;
+        };
+        let (id, title) = (id.as_string::<i32>(), title.as_string::<i32>());
+        for r in 0..b.num_rows() {
+            if let Some(embedding) = vector(emb, r) {
+                self.items.insert(
+                    id.value(r).to_owned(),
+                    ItemMeta {
+                        title: title.value(r).to_owned(),
+                        categories: strings(cats, r),
+                        embedding,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Runs the write path for one written micro-batch and persists it.
+    ///
+    /// # Errors
+    /// LanceDB or embedding failures; the batch is then not committed.
+    pub async fn apply(&mut self, tables: &TableBatches) -> Result<SteamStats> {
+        let started = Instant::now();
+        let mut stats = SteamStats::default();
+        if let Some(items) = &tables.items {
+            self.remember_items(items);
+        }
+        let mut changed: Vec<MemoryId> = Vec::new();
+        if let Some(p) = &tables.profiles {
+            changed.extend(self.profiles(p).await?);
+        }
+        let mut batch: Vec<(String, Observation)> = Vec::new();
+        if let Some(b) = &tables.interactions {
+            let col = |n: &str| {
+                b.column_by_name(n).ok_or_else(|| Error::Internal {
+                    message: format!("interactions batch lacks {n}"),
+                })
+            };
+            let (event, kind, user) = (
+                col("event_id")?.as_string::<i32>(),
+                col("kind")?.as_string::<i32>(),
+                col("user_id")?.as_string::<i32>(),
+            );
+            let ts = col("timestamp")?.as_primitive::<TimestampMillisecondType>();
+            let (item, role, text) = (
+                col("item_id")?.as_string::<i32>(),
+                col("role")?.as_string::<i32>(),
+                col("text")?.as_string::<i32>(),
+            );
+            let emb = col("embedding")?;
+            for r in 0..b.num_rows() {
+                let obs = match kind.value(r) {
+                    "dialogue_turn" => {
+                        // The user's own words say what they want; the
+                        // assistant's do not.
+                        if role.is_null(r) || role.value(r) != "user" {
+                            continue;
+                        }
+                        vector(emb, r).map(|e| Observation {
+                            event_id: event.value(r).to_owned(),
+                            timestamp_ms: ts.value(r),
+                            embedding: e,
+                            title: None,
+                            categories: Vec::new(),
+                            text: text.is_valid(r).then(|| text.value(r).to_owned()),
+                        })
+                    }
+                    _ => (!item.is_null(r))
+                        .then(|| self.items.get(item.value(r)))
+                        .flatten()
+                        .map(|m| Observation {
+                            event_id: event.value(r).to_owned(),
+                            timestamp_ms: ts.value(r),
+                            embedding: m.embedding.clone(),
+                            title: Some(m.title.clone()),
+                            categories: m.categories.clone(),
+                            text: None,
+                        }),
+                };
+                match obs {
+                    Some(o) => batch.push((user.value(r).to_owned(), o)),
+                    None => stats.skipped += 1,
+                }
+            }
+        }
+        let o = self.state.observe(batch).map_err(kernel_err)?;
+        stats.formed = o.formed;
+        stats.consolidated = o.consolidated;
+        changed.extend(o.changed);
+        if changed.is_empty() {
+            return Ok(stats);
+        }
+        let link = self
+            .state
+            .link(&self.kernel, &changed)
+            .map_err(kernel_err)?;
+        stats.links = link.links.len() as u64;
+        stats.prototypes = link.prototypes.len() as u64;
+        self.persist(&changed, &link).await?;
+        self.metrics
+            .steam_memories
+            .with_label_values(&["formed"])
+            .inc_by(stats.formed);
+        self.metrics
+            .steam_memories
+            .with_label_values(&["consolidated"])
+            .inc_by(stats.consolidated);
+        self.metrics.steam_skipped.inc_by(stats.skipped);
+        self.metrics.steam_links.inc_by(stats.links);
+        self.metrics.steam_merges.inc_by(link.delta.merges);
+        self.metrics.steam_splits.inc_by(link.delta.splits);
+        self.metrics
+            .steam_communities
+            .set(self.state.communities().count() as i64);
+        self.metrics
+            .steam_prototypes
+            .set(self.state.prototypes().count() as i64);
+        self.metrics
+            .steam_duration
+            .observe(started.elapsed().as_secs_f64());
+        Ok(stats)
+    }
+
+    async fn profiles(&mut self, b: &RecordBatch) -> Result<Vec<MemoryId>> {
+        let Some(embedder) = &self.embedder else {
+            return Ok(Vec::new());
+        };
+        let (Some(user), Some(event), Some(ts), Some(attrs)) = (
+            b.column_by_name("user_id"),
+            b.column_by_name("event_id"),
+            b.column_by_name("timestamp"),
+            b.column_by_name("attributes"),
+        ) else {
+            return Ok(Vec::new());
+        };
+        let (user, event, attrs) = (
+            user.as_string::<i32>(),
+            event.as_string::<i32>(),
+            attrs.as_string::<i32>(),
+        );
+        let ts = ts.as_primitive::<TimestampMillisecondType>();
+        let rows: Vec<usize> = (0..b.num_rows()).filter(|&r| attrs.is_valid(r)).collect();
+        let texts: Vec<String> = rows
+            .iter()
+            .map(|&r| format!("User profile: {}", attrs.value(r)))
+            .collect();
+        if texts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let vectors = embedder
+            .embed(texts.clone())
+            .await
+            .map_err(|e| Error::Embed {
+                retryable: e.retryable(),
+                source: Box::new(e),
+            })?;
+        let mut out = Vec::new();
+        for (i, &r) in rows.iter().enumerate() {
+            let changed = self
+                .state
+                .init_profile(
+                    user.value(r),
+                    event.value(r),
+                    ts.value(r),
+                    texts[i].clone(),
+                    vectors.row(i).to_vec(),
+                )
+                .map_err(kernel_err)?;
+            out.extend(changed);
+        }
+        Ok(out)
+    }
+
+    async fn persist(&self, changed: &[MemoryId], link: &LinkOutcome) -> Result<()> {
+        // Memories: the changed ones and those whose community id moved.
+        let mut ids: Vec<MemoryId> = changed.to_vec();
+        ids.extend(link.delta.moved.iter().copied());
+        ids.sort_unstable();
+        ids.dedup();
+        let mems: Vec<&Memory> = ids.iter().filter_map(|&id| self.state.memory(id)).collect();
+        let batch = memories_batch(&mems)?;
+        upsert(&self.memories, "memory_id", batch).await?;
+        // Links: replace the re-linked memories' links.
+        if !changed.is_empty() {
+            let list = changed
+                .iter()
+                .map(|id| id.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            self.links
+                .delete(&format!("from_id IN ({list})"))
+                .await
+                .map_err(lance("deleting links"))?;
+        }
+        if !link.links.is_empty() {
+            let batch = links_batch(&self.state, &link.links)?;
+            self.links
+                .add(Box::new(RecordBatchIterator::new(
+                    [Ok(batch.clone())],
+                    batch.schema(),
+                ))
+                    as Box<dyn arrow_array::RecordBatchReader + Send>)
+                .execute()
+                .await
+                .map_err(lance("writing links"))?;
+        }
+        if !link.prototypes_removed.is_empty() {
+            let list = link
+                .prototypes_removed
+                .iter()
+                .map(|id| id.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            self.prototypes
+                .delete(&format!("prototype_id IN ({list})"))
+                .await
+                .map_err(lance("deleting prototypes"))?;
+        }
+        if !link.prototypes.is_empty() {
+            upsert(&self.prototypes, "prototype_id", prototypes_batch(link)?).await?;
+        }
+        Ok(())
+    }
+}
+
+async fn upsert(table: &Table, key: &str, batch: RecordBatch) -> Result<()> {
+    if batch.num_rows() == 0 {
+        return Ok(());
+    }
+    let mut merge = table.merge_insert(&[key]);
+    merge
+        .when_matched_update_all(None)
+        .when_not_matched_insert_all();
+    let schema = batch.schema();
+    merge
+        .execute(Box::new(RecordBatchIterator::new([Ok(batch)], schema)))
+        .await
+        .map_err(lance("writing memories"))?;
+    Ok(())
+}
+
+fn embedding_builder(n: usize) -> FixedSizeListBuilder<Float32Builder> {
+    FixedSizeListBuilder::with_capacity(
+        Float32Builder::with_capacity(n * EMBEDDING_DIM),
+        EMBEDDING_DIM as i32,
+        n,
+    )
+    .with_field(Arc::new(arrow_schema::Field::new(
+        "item",
+        arrow_schema::DataType::Float32,
+        true,
+    )))
+}
+
+fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
+    let n = mems.len();
+    let mut id = Int64Builder::with_capacity(n);
+    let mut user = StringBuilder::new();
+    let mut content = StringBuilder::new();
+    let mut emb = embedding_builder(n);
+    let mut inter = ListBuilder::new(StringBuilder::new());
+    let mut community = Int64Builder::with_capacity(n);
+    let mut created = TimestampMillisecondBuilder::with_capacity(n);
+    let mut updated = TimestampMillisecondBuilder::with_capacity(n);
+    let mut version = Int64Builder::with_capacity(n);
+    let mut support = Int64Builder::with_capacity(n);
+    let mut facets = StringBuilder::new();
+    let mut recent = ListBuilder::new(StringBuilder::new());
+    for m in mems {
+        id.append_value(m.id as i64);
+        user.append_value(&m.user_id);
+        content.append_value(&m.content);
+        emb.values().append_slice(&m.embedding);
+        emb.append(true);
+        for e in &m.interactions {
+            inter.values().append_value(e);
+        }
+        inter.append(true);
+        community.append_option(m.community.map(|c| c as i64));
+        created.append_value(m.created_ms);
+        updated.append_value(m.updated_ms);
+        version.append_value(m.version as i64);
+        support.append_value(m.support() as i64);
+        facets.append_value(serde_json::to_string(&m.facets).unwrap_or_else(|_| "{}".into()));
+        for r in &m.recent {
+            recent.values().append_value(r);
+        }
+        recent.append(true);
+    }
+    Ok(RecordBatch::try_new(
+        MemoryTable::Memories.schema(),
+        vec![
+            Arc::new(id.finish()),
+            Arc::new(user.finish()),
+            Arc::new(content.finish()),
+            Arc::new(emb.finish()),
+            Arc::new(inter.finish()),
+            Arc::new(community.finish()),
+            Arc::new(created.finish().with_timezone("UTC")),
+            Arc::new(updated.finish().with_timezone("UTC")),
+            Arc::new(version.finish()),
+            Arc::new(support.finish()),
+            Arc::new(facets.finish()),
+            Arc::new(recent.finish()),
+        ],
+    )?)
+}
+
+fn links_batch(state: &SteamState, links: &[Link]) -> Result<RecordBatch> {
+    let mut from = Int64Builder::new();
+    let mut to = Int64Builder::new();
+    let mut from_user = StringBuilder::new();
+    let mut to_user = StringBuilder::new();
+    let mut score = Float32Builder::new();
+    for l in links {
+        from.append_value(l.from as i64);
+        to.append_value(l.to as i64);
+        from_user.append_value(state.memory(l.from).map_or("", |m| m.user_id.as_str()));
+        to_user.append_value(state.memory(l.to).map_or("", |m| m.user_id.as_str()));
+        score.append_value(l.score);
+    }
+    Ok(RecordBatch::try_new(
+        MemoryTable::MemoryLinks.schema(),
+        vec![
+            Arc::new(from.finish()),
+            Arc::new(to.finish()),
+            Arc::new(from_user.finish()),
+            Arc::new(to_user.finish()),
+            Arc::new(score.finish()),
+        ],
+    )?)
+}
+
+fn prototypes_batch(link: &LinkOutcome) -> Result<RecordBatch> {
+    let n = link.prototypes.len();
+    let mut id = Int64Builder::with_capacity(n);
+    let mut content = StringBuilder::new();
+    let mut emb = embedding_builder(n);
+    let mut members = ListBuilder::new(Int64Builder::new());
+    let mut users = Int32Builder::with_capacity(n);
+    for p in &link.prototypes {
+        id.append_value(p.id as i64);
+        content.append_value(&p.content);
+        emb.values().append_slice(&p.embedding);
+        emb.append(true);
+        for m in &p.members {
+            members.values().append_value(*m as i64);
+        }
+        members.append(true);
+        users.append_value(p.users as i32);
+    }
+    Ok(RecordBatch::try_new(
+        MemoryTable::Prototypes.schema(),
+        vec![
+            Arc::new(id.finish()),
+            Arc::new(content.finish()),
+            Arc::new(emb.finish()),
+            Arc::new(members.finish()),
+            Arc::new(users.finish()),
+        ],
+    )?)
+}
