@@ -821,6 +821,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         content: String::new(),
         embedding,
         interactions: vec![format!("e{id}")],
+        items: vec![format!("i{id}")],
         community: None,
         created_ms: 0,
         updated_ms: 0,

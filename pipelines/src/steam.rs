@@ -174,6 +174,7 @@ impl SteamStage {
                 "content",
                 "embedding",
                 "interaction_ids",
+                "item_ids",
                 "community_id",
                 "created_at",
                 "updated_at",
@@ -187,10 +188,10 @@ impl SteamStage {
             let id = b.column(0).as_primitive::<Int64Type>();
             let user = b.column(1).as_string::<i32>();
             let content = b.column(2).as_string::<i32>();
-            let created = b.column(6).as_primitive::<TimestampMillisecondType>();
-            let updated = b.column(7).as_primitive::<TimestampMillisecondType>();
-            let version = b.column(8).as_primitive::<Int64Type>();
-            let facets = b.column(9).as_string::<i32>();
+            let created = b.column(7).as_primitive::<TimestampMillisecondType>();
+            let updated = b.column(8).as_primitive::<TimestampMillisecondType>();
+            let version = b.column(9).as_primitive::<Int64Type>();
+            let facets = b.column(10).as_string::<i32>();
             for r in 0..b.num_rows() {
                 let Some(embedding) = vector(b.column(3), r) else {
                     continue;
@@ -201,12 +202,13 @@ impl SteamStage {
                     content: content.value(r).to_owned(),
                     embedding,
                     interactions: strings(b.column(4), r),
+                    items: strings(b.column(5), r),
                     community: None,
                     created_ms: created.value(r),
                     updated_ms: updated.value(r),
                     version: version.value(r) as u64,
                     facets: serde_json::from_str(facets.value(r)).unwrap_or_default(),
-                    recent: strings(b.column(10), r),
+                    recent: strings(b.column(11), r),
                 };
                 self.state.restore_memory(m).map_err(kernel_err)?;
             }
@@ -300,6 +302,7 @@ impl SteamStage {
                             event_id: event.value(r).to_owned(),
                             timestamp_ms: ts.value(r),
                             embedding: e,
+                            item_id: None,
                             title: None,
                             categories: Vec::new(),
                             text: text.is_valid(r).then(|| text.value(r).to_owned()),
@@ -312,6 +315,7 @@ impl SteamStage {
                             event_id: event.value(r).to_owned(),
                             timestamp_ms: ts.value(r),
                             embedding: m.embedding.clone(),
+                            item_id: Some(item.value(r).to_owned()),
                             title: Some(m.title.clone()),
                             categories: m.categories.clone(),
                             text: None,
@@ -499,6 +503,7 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
     let mut content = StringBuilder::new();
     let mut emb = embedding_builder(n);
     let mut inter = ListBuilder::new(StringBuilder::new());
+    let mut items = ListBuilder::new(StringBuilder::new());
     let mut community = Int64Builder::with_capacity(n);
     let mut created = TimestampMillisecondBuilder::with_capacity(n);
     let mut updated = TimestampMillisecondBuilder::with_capacity(n);
@@ -516,6 +521,10 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
             inter.values().append_value(e);
         }
         inter.append(true);
+        for i in &m.items {
+            items.values().append_value(i);
+        }
+        items.append(true);
         community.append_option(m.community.map(|c| c as i64));
         created.append_value(m.created_ms);
         updated.append_value(m.updated_ms);
@@ -535,6 +544,7 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
             Arc::new(content.finish()),
             Arc::new(emb.finish()),
             Arc::new(inter.finish()),
+            Arc::new(items.finish()),
             Arc::new(community.finish()),
             Arc::new(created.finish().with_timezone("UTC")),
             Arc::new(updated.finish().with_timezone("UTC")),

@@ -62,6 +62,7 @@ static MEMORIES: LazyLock<SchemaRef> = LazyLock::new(|| {
         Field::new("content", DataType::Utf8, false),
         embedding_field(),
         Field::new("interaction_ids", list_of(DataType::Utf8), false),
+        Field::new("item_ids", list_of(DataType::Utf8), false),
         Field::new("community_id", DataType::Int64, true),
         Field::new("created_at", ts(), false),
         Field::new("updated_at", ts(), false),

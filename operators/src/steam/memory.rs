@@ -27,6 +27,8 @@ pub struct Observation {
     pub timestamp_ms: i64,
     /// Embedding of the item (click, purchase) or of the dialogue turn.
     pub embedding: Vec<f32>,
+    /// The item (clicks, purchases).
+    pub item_id: Option<String>,
     /// The item's title, if any.
     pub title: Option<String>,
     /// The item's categories or genres.
@@ -48,6 +50,9 @@ pub struct Memory {
     pub embedding: Vec<f32>,
     /// I: linked interaction event ids, in event-time order.
     pub interactions: Vec<String>,
+    /// The items of those interactions (clicks, purchases), distinct, in
+    /// first-seen order: what collaborative retrieval recommends from.
+    pub items: Vec<String>,
     /// L: the community (set by community maintenance).
     pub community: Option<MemoryId>,
     /// Event time of the first interaction, ms.
@@ -191,6 +196,7 @@ impl UserMemories {
             content,
             embedding: normalized(embedding),
             interactions: vec![event_id.to_owned()],
+            items: Vec::new(),
             community: None,
             created_ms: ts_ms,
             updated_ms: ts_ms,
@@ -260,6 +266,11 @@ impl UserMemories {
                     .collect();
                 m.embedding = normalized(centroid);
                 m.interactions.push(obs.event_id.clone());
+                if let Some(item) = &obs.item_id
+                    && !m.items.contains(item)
+                {
+                    m.items.push(item.clone());
+                }
                 for c in &obs.categories {
                     *m.facets.entry(c.clone()).or_default() += 1;
                 }
@@ -285,6 +296,7 @@ impl UserMemories {
                     content: summarise(&facets, &recent),
                     embedding: e,
                     interactions: vec![obs.event_id.clone()],
+                    items: obs.item_id.iter().cloned().collect(),
                     community: None,
                     created_ms: obs.timestamp_ms,
                     updated_ms: obs.timestamp_ms,
@@ -307,6 +319,7 @@ mod tests {
             event_id: id.into(),
             timestamp_ms: 0,
             embedding: v.to_vec(),
+            item_id: Some(format!("item-{id}")),
             title: Some(title.into()),
             categories: vec![cat.into()],
             text: None,

@@ -16,6 +16,7 @@
 pub mod community;
 pub mod memory;
 pub mod relations;
+pub mod retrieve;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

@@ -8,6 +8,7 @@ fn obs(event: &str, ts: i64, v: [f32; 3], title: &str, cat: &str) -> Observation
         event_id: event.into(),
         timestamp_ms: ts,
         embedding: v.to_vec(),
+        item_id: Some(title.to_lowercase().replace(' ', "-")),
         title: Some(title.into()),
         categories: vec![cat.into()],
         text: None,
