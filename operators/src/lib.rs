@@ -17,4 +17,5 @@
 
 pub mod batch;
 pub mod embed;
+pub mod llm;
 pub mod steam;
