@@ -138,7 +138,12 @@ struct Usage {
 }
 
 /// Fills a prompt template.
-pub fn render(template: &str, facets: &BTreeMap<String, u32>, recent: &[String], previous: &str) -> String {
+pub fn render(
+    template: &str,
+    facets: &BTreeMap<String, u32>,
+    recent: &[String],
+    previous: &str,
+) -> String {
     let facets = facets
         .iter()
         .map(|(f, n)| format!("{f} ({n})"))
@@ -147,7 +152,14 @@ pub fn render(template: &str, facets: &BTreeMap<String, u32>, recent: &[String],
     template
         .replace("{facets}", if facets.is_empty() { "none" } else { &facets })
         .replace("{recent}", &recent.join("; "))
-        .replace("{previous}", if previous.is_empty() { "none" } else { previous })
+        .replace(
+            "{previous}",
+            if previous.is_empty() {
+                "none"
+            } else {
+                previous
+            },
+        )
 }
 
 impl ChatClient {
@@ -217,7 +229,11 @@ impl ChatClient {
         let mut attempt = 0u32;
         loop {
             let result = {
-                let _permit = self.permits.acquire().await.map_err(|_| self.err("closed", false))?;
+                let _permit = self
+                    .permits
+                    .acquire()
+                    .await
+                    .map_err(|_| self.err("closed", false))?;
                 if budget > 0 && self.tokens_spent() >= budget {
                     return Err(LlmError::BudgetExhausted(budget));
                 }
@@ -225,9 +241,14 @@ impl ChatClient {
             };
             match result {
                 Ok(text) => return Ok(text),
-                Err(LlmError::Remote { retryable: true, .. }) if attempt + 1 < self.opts.max_attempts => {
+                Err(LlmError::Remote {
+                    retryable: true, ..
+                }) if attempt + 1 < self.opts.max_attempts => {
                     self.stats.retries.fetch_add(1, Ordering::Relaxed);
-                    let base = self.opts.initial_backoff.saturating_mul(1 << attempt.min(10));
+                    let base = self
+                        .opts
+                        .initial_backoff
+                        .saturating_mul(1 << attempt.min(10));
                     tokio::time::sleep(base.mul_f64(0.5 + rand::random::<f64>() * 0.5)).await;
                     attempt += 1;
                 }
@@ -249,7 +270,11 @@ impl ChatClient {
             req = req.header("authorization", format!("Bearer {key}"));
         }
         let resp = req.send().await.map_err(|e| {
-            let kind = if e.is_timeout() { "timed out" } else { "failed" };
+            let kind = if e.is_timeout() {
+                "timed out"
+            } else {
+                "failed"
+            };
             self.err(format!("request {kind}: {e}"), true)
         })?;
         let status = resp.status();
@@ -371,7 +396,10 @@ mod tests {
             assert_eq!(c.tokens_spent(), 6 * 50);
             assert_eq!(fake.max_in_flight.load(Ordering::SeqCst), 2);
             let sent = fake.last_prompt.lock().unwrap().clone();
-            assert!(sent.contains("Jazz (3)") && sent.contains("Kind of Blue"), "{sent}");
+            assert!(
+                sent.contains("Jazz (3)") && sent.contains("Kind of Blue"),
+                "{sent}"
+            );
         });
     }
 
@@ -393,7 +421,10 @@ mod tests {
             c.complete("hi").await.unwrap();
             // 100 tokens spent: the next call is refused without a request.
             let before = fake.calls.load(Ordering::SeqCst);
-            assert!(matches!(c.complete("hi").await, Err(LlmError::BudgetExhausted(100))));
+            assert!(matches!(
+                c.complete("hi").await,
+                Err(LlmError::BudgetExhausted(100))
+            ));
             assert_eq!(fake.calls.load(Ordering::SeqCst), before);
         });
     }

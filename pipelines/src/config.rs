@@ -60,6 +60,70 @@ pub struct SteamConfig {
     pub consolidate: bool,
     /// Cap on memories per user.
     pub max_memories_per_user: usize,
+    /// Memory and prototype content from an LLM (off when `url` is empty).
+    pub llm: LlmConfig,
+}
+
+/// `[steam.llm]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlmConfig {
+    /// OpenAI-compatible base URL; empty: the deterministic summariser.
+    pub url: String,
+    /// The `model` field.
+    pub model: String,
+    /// Bearer token (empty: none).
+    pub api_key: String,
+    /// Per-request timeout.
+    #[serde(with = "humantime_serde_compat")]
+    pub timeout: Duration,
+    /// Calls in flight.
+    pub max_in_flight: usize,
+    /// `max_tokens` per completion.
+    pub max_completion_tokens: u32,
+    /// Total tokens this process may spend (0: no limit).
+    pub token_budget: u64,
+    /// Sampling temperature.
+    pub temperature: f32,
+}
+
+impl fmt::Debug for LlmConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LlmConfig")
+            .field("url", &self.url)
+            .field("model", &self.model)
+            .field(
+                "api_key",
+                &if self.api_key.is_empty() {
+                    ""
+                } else {
+                    "<redacted>"
+                },
+            )
+            .field("max_in_flight", &self.max_in_flight)
+            .field("token_budget", &self.token_budget)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LlmConfig {
+    /// The client's options, or `None` when no endpoint is configured.
+    pub fn options(&self) -> Option<steamrf_operators::llm::ChatOptions> {
+        if self.url.trim().is_empty() {
+            return None;
+        }
+        Some(steamrf_operators::llm::ChatOptions {
+            url: self.url.clone(),
+            model: self.model.clone(),
+            api_key: (!self.api_key.is_empty()).then(|| self.api_key.clone()),
+            timeout: self.timeout,
+            max_in_flight: self.max_in_flight.max(1),
+            max_completion_tokens: self.max_completion_tokens,
+            token_budget: self.token_budget,
+            temperature: self.temperature,
+            ..steamrf_operators::llm::ChatOptions::default()
+        })
+    }
 }
 
 impl SteamConfig {
@@ -649,6 +713,17 @@ impl Config {
             if !(-1.0..=1.0).contains(&v) {
                 p.push(format!("{name}: a cosine, between -1 and 1"));
             }
+        }
+        if !st.llm.url.is_empty()
+            && !(st.llm.url.starts_with("http://") || st.llm.url.starts_with("https://"))
+        {
+            p.push(format!(
+                "steam.llm.url: {:?} must start with http:// or https://",
+                st.llm.url
+            ));
+        }
+        if st.llm.max_in_flight == 0 {
+            p.push("steam.llm.max_in_flight: must be > 0".to_owned());
         }
         if st.max_memories_per_user == 0 {
             p.push("steam.max_memories_per_user: must be > 0".to_owned());

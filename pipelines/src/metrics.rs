@@ -88,6 +88,10 @@ pub struct Metrics {
     pub steam_prototypes: IntGauge,
     /// Duration of the STEAM stage for one micro-batch.
     pub steam_duration: Histogram,
+    /// LLM summaries, by result (ok, fallback to the deterministic summary).
+    pub llm_calls: IntCounterVec,
+    /// LLM tokens spent, by kind (prompt, completion).
+    pub llm_tokens: IntCounterVec,
 }
 
 fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -349,10 +353,28 @@ impl Metrics {
                 "Duration of the STEAM stage (evolution, links, communities, prototypes, writes) for one micro-batch.",
                 exponential_buckets(0.001, 2.0, 17).expect("valid buckets"),
             ),
+            llm_calls: counter(
+                &r,
+                "steamrf_llm_calls_total",
+                "LLM summaries of memories and prototypes, by result (ok, fallback).",
+                &["result"],
+            ),
+            llm_tokens: counter(
+                &r,
+                "steamrf_llm_tokens_total",
+                "LLM tokens spent, as reported by the endpoint.",
+                &["kind"],
+            ),
             registry: r,
         };
         for k in ["formed", "consolidated"] {
             m.steam_memories.with_label_values(&[k]);
+        }
+        for k in ["ok", "fallback"] {
+            m.llm_calls.with_label_values(&[k]);
+        }
+        for k in ["prompt", "completion"] {
+            m.llm_tokens.with_label_values(&[k]);
         }
         for k in ["dialogue_turn", "item"] {
             m.embed_texts.with_label_values(&[k]);

@@ -98,7 +98,15 @@ async fn run_inner(
     ));
     let mut steam = if config.steam.enabled {
         let db = crate::sink::connect(&config.lancedb).await?;
-        Some(SteamStage::open(&db, config.steam.params(), embedder, metrics.clone()).await?)
+        let llm = match config.steam.llm.options() {
+            Some(opts) => Some(Arc::new(
+                steamrf_operators::llm::ChatClient::new(opts).map_err(|e| Error::Config {
+                    problems: vec![format!("steam.llm: {e}")],
+                })?,
+            )),
+            None => None,
+        };
+        Some(SteamStage::open(&db, config.steam.params(), embedder, llm, metrics.clone()).await?)
     } else {
         None
     };

@@ -28,6 +28,7 @@ use lancedb::Table;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::embed::Embedder;
+use steamrf_operators::llm::{ChatClient, LlmError, MEMORY_PROMPT, PROTOTYPE_PROMPT, render};
 use steamrf_operators::steam::memory::{Memory, Observation};
 use steamrf_operators::steam::relations::Link;
 use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
@@ -71,6 +72,8 @@ pub struct SteamStage {
     links: Table,
     prototypes: Table,
     embedder: Option<Arc<dyn Embedder>>,
+    llm: Option<Arc<ChatClient>>,
+    llm_tokens_seen: (u64, u64),
     metrics: Metrics,
 }
 
@@ -132,6 +135,7 @@ impl SteamStage {
         db: &lancedb::Connection,
         params: SteamParams,
         embedder: Option<Arc<dyn Embedder>>,
+        llm: Option<Arc<ChatClient>>,
         metrics: Metrics,
     ) -> Result<Self> {
         let started = Instant::now();
@@ -144,6 +148,8 @@ impl SteamStage {
             links: open(MemoryTable::MemoryLinks).await?,
             prototypes: open(MemoryTable::Prototypes).await?,
             embedder,
+            llm,
+            llm_tokens_seen: (0, 0),
             metrics,
         };
         stage.restore().await?;
@@ -334,10 +340,13 @@ impl SteamStage {
         if changed.is_empty() {
             return Ok(stats);
         }
-        let link = self
+        let mut link = self
             .state
             .link(&self.kernel, &changed)
             .map_err(kernel_err)?;
+        if self.llm.is_some() {
+            self.llm_contents(&changed, &mut link).await;
+        }
         stats.links = link.links.len() as u64;
         stats.prototypes = link.prototypes.len() as u64;
         self.persist(&changed, &link).await?;
@@ -363,6 +372,83 @@ impl SteamStage {
             .steam_duration
             .observe(started.elapsed().as_secs_f64());
         Ok(stats)
+    }
+
+    /// Rewrites the content of changed memories and prototypes with the LLM.
+    /// A call refused by the token budget or failing after retries keeps the
+    /// deterministic content (counted as a fallback, logged).
+    async fn llm_contents(&mut self, changed: &[MemoryId], link: &mut LinkOutcome) {
+        let Some(llm) = self.llm.clone() else { return };
+        let mut prompts: Vec<(bool, MemoryId, String)> = Vec::new();
+        for &id in changed {
+            if let Some(m) = self.state.memory(id)
+                && !(m.facets.is_empty() && m.recent.is_empty())
+            {
+                prompts.push((
+                    false,
+                    id,
+                    render(MEMORY_PROMPT, &m.facets, &m.recent, &m.content),
+                ));
+            }
+        }
+        for p in &link.prototypes {
+            let mut facets: BTreeMap<String, u32> = BTreeMap::new();
+            let mut recent = Vec::new();
+            for m in p.members.iter().filter_map(|&id| self.state.memory(id)) {
+                for (f, n) in &m.facets {
+                    *facets.entry(f.clone()).or_default() += n;
+                }
+                recent.extend(m.recent.last().cloned());
+            }
+            recent.sort();
+            recent.dedup();
+            recent.truncate(8);
+            prompts.push((true, p.id, render(PROTOTYPE_PROMPT, &facets, &recent, "")));
+        }
+        let calls = prompts.iter().map(|(_, _, p)| llm.complete(p));
+        let results = futures::future::join_all(calls).await;
+        for ((is_proto, id, _), r) in prompts.into_iter().zip(results) {
+            match r {
+                Ok(text) => {
+                    self.metrics.llm_calls.with_label_values(&["ok"]).inc();
+                    if is_proto {
+                        self.state.set_prototype_content(id, text.clone());
+                        if let Some(p) = link.prototypes.iter_mut().find(|p| p.id == id) {
+                            p.content = text;
+                        }
+                    } else {
+                        self.state.set_memory_content(id, text);
+                    }
+                }
+                Err(e) => {
+                    self.metrics
+                        .llm_calls
+                        .with_label_values(&["fallback"])
+                        .inc();
+                    if !matches!(e, LlmError::BudgetExhausted(_)) {
+                        tracing::warn!(error = %e, "LLM summary failed; keeping the deterministic content.");
+                    }
+                }
+            }
+        }
+        let stats = llm.stats();
+        let now = (
+            stats
+                .prompt_tokens
+                .load(std::sync::atomic::Ordering::Relaxed),
+            stats
+                .completion_tokens
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        let (p0, c0) = std::mem::replace(&mut self.llm_tokens_seen, now);
+        self.metrics
+            .llm_tokens
+            .with_label_values(&["prompt"])
+            .inc_by(now.0.saturating_sub(p0));
+        self.metrics
+            .llm_tokens
+            .with_label_values(&["completion"])
+            .inc_by(now.1.saturating_sub(c0));
     }
 
     async fn profiles(&mut self, b: &RecordBatch) -> Result<Vec<MemoryId>> {

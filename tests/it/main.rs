@@ -317,45 +317,7 @@ fn events_become_memories_communities_and_prototypes() {
     let topic = unique("it-steam");
     let dlq = format!("{topic}-dlq");
     let file = dir.path().join("events.jsonl");
-    let mut lines = Vec::new();
-    let mut n = 0;
-    let mut ev = |body: String| {
-        n += 1;
-        let ts = 1_764_000_000_000i64 + n * 1000;
-        lines.push(format!(
-            r#"{{"schema_version":1,"event_id":"{topic}-{n}","timestamp":{ts},{body}}}"#
-        ));
-    };
-    for i in 0..6 {
-        ev(format!(
-            r#""type":"item","item_id":"jazz{i}","title":"Jazz Standards Collection Volume {i}","categories":["Jazz","Bebop"]"#
-        ));
-    }
-    for i in 0..3 {
-        ev(format!(
-            r#""type":"item","item_id":"space{i}","title":"Galactic Space Opera Saga Part {i}","categories":["Science Fiction","Space Opera"]"#
-        ));
-    }
-    for u in 0..4 {
-        for i in 0..3 {
-            ev(format!(
-                r#""type":"click","user_id":"user{u}","item_id":"jazz{}""#,
-                (u + i) % 6
-            ));
-        }
-    }
-    for u in 0..2 {
-        ev(format!(
-            r#""type":"purchase","user_id":"user{u}","item_id":"space{u}","quantity":1,"price":9.5,"currency":"EUR""#
-        ));
-    }
-    ev(r#""type":"dialogue_turn","user_id":"user3","session_id":"s","role":"user","text":"Any more bebop jazz standards like these?""#.to_owned());
-    ev(r#""type":"dialogue_turn","user_id":"user3","session_id":"s","role":"assistant","text":"Try Giant Steps.""#.to_owned());
-    ev(
-        r#""type":"profile","user_id":"user0","attributes":{"age":31,"likes":"jazz piano"}"#
-            .to_owned(),
-    );
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    steam_events(&topic, &file);
     // One partition: items reach the pipeline before the clicks that need them.
     produce_all(&topic, 1, &file);
 
@@ -447,6 +409,107 @@ fn events_become_memories_communities_and_prototypes() {
         sql_count(&uri, "SELECT count(*) AS n FROM prototypes WHERE users < 3"),
         0
     );
+}
+
+/// Items, clicks, purchases, dialogue turns and a profile for four users:
+/// four share a jazz interest, two a science-fiction one.
+fn steam_events(topic: &str, file: &std::path::Path) {
+    let mut lines = Vec::new();
+    let mut n = 0;
+    let mut ev = |body: String| {
+        n += 1;
+        let ts = 1_764_000_000_000i64 + n * 1000;
+        lines.push(format!(
+            r#"{{"schema_version":1,"event_id":"{topic}-{n}","timestamp":{ts},{body}}}"#
+        ));
+    };
+    for i in 0..6 {
+        ev(format!(
+            r#""type":"item","item_id":"jazz{i}","title":"Jazz Standards Collection Volume {i}","categories":["Jazz","Bebop"]"#
+        ));
+    }
+    for i in 0..3 {
+        ev(format!(
+            r#""type":"item","item_id":"space{i}","title":"Galactic Space Opera Saga Part {i}","categories":["Science Fiction","Space Opera"]"#
+        ));
+    }
+    for u in 0..4 {
+        for i in 0..3 {
+            ev(format!(
+                r#""type":"click","user_id":"user{u}","item_id":"jazz{}""#,
+                (u + i) % 6
+            ));
+        }
+    }
+    for u in 0..2 {
+        ev(format!(
+            r#""type":"purchase","user_id":"user{u}","item_id":"space{u}","quantity":1,"price":9.5,"currency":"EUR""#
+        ));
+    }
+    ev(r#""type":"dialogue_turn","user_id":"user3","session_id":"s","role":"user","text":"Any more bebop jazz standards like these?""#.to_owned());
+    ev(r#""type":"dialogue_turn","user_id":"user3","session_id":"s","role":"assistant","text":"Try Giant Steps.""#.to_owned());
+    ev(
+        r#""type":"profile","user_id":"user0","attributes":{"age":31,"likes":"jazz piano"}"#
+            .to_owned(),
+    );
+    std::fs::write(file, lines.join("\n") + "\n").unwrap();
+}
+
+/// With a chat endpoint configured, memory and prototype contents come from
+/// it (a local fake server: no LLM is reachable from here), and the prompts
+/// carry the memories' categories and items.
+#[test]
+fn memory_contents_come_from_the_llm_when_configured() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-llm");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    produce_all(&topic, 1, &file);
+    let chat = FakeChat::start("Enjoys bebop-era jazz standards.");
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let config = cfg.write();
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!(
+        "[steam]\nenabled = true\n[steam.llm]\nurl = \"{}\"\nmax_in_flight = 2\n",
+        chat.url
+    ));
+    std::fs::write(&config, text).unwrap();
+    let mut p = Pipeline::start(&config, Some("3s"));
+    assert!(
+        p.wait(Duration::from_secs(120)).success(),
+        "{}",
+        p.log_text()
+    );
+    let uri = cfg.lancedb_uri();
+    let total = sql_count(&uri, "SELECT count(*) AS n FROM memories");
+    let from_llm = sql_count(
+        &uri,
+        "SELECT count(*) AS n FROM memories WHERE content = 'Enjoys bebop-era jazz standards.'",
+    );
+    // Every memory but the profile's (its content is the profile itself).
+    assert_eq!(from_llm, total - 1);
+    assert!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM prototypes WHERE content = 'Enjoys bebop-era jazz standards.'"
+        ) >= 1
+    );
+    let prompts = chat.prompts.lock().unwrap();
+    assert!(
+        prompts
+            .iter()
+            .any(|p| p.contains("Jazz") && p.contains("Jazz Standards Collection")),
+        "{prompts:?}"
+    );
+    assert!(prompts.iter().any(|p| p.contains("community")));
 }
 
 /// `steamrf validate` reports every problem at once and exits 2.

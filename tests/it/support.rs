@@ -465,3 +465,63 @@ pub fn read_dead_letters(topic: &str, want: usize, timeout: Duration) -> Vec<Dea
     }
     out
 }
+
+/// A minimal OpenAI-compatible chat endpoint on 127.0.0.1 (no LLM can be
+/// reached from here): every completion is `reply`; prompts are recorded.
+pub struct FakeChat {
+    pub url: String,
+    pub prompts: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl FakeChat {
+    pub fn start(reply: &'static str) -> Self {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = prompts.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let seen = seen.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut len = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let l = line.to_ascii_lowercase();
+                        if let Some(v) = l.strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0u8; len];
+                    reader.read_exact(&mut body).unwrap();
+                    let req: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                    seen.lock().unwrap().push(
+                        req["messages"][0]["content"]
+                            .as_str()
+                            .unwrap_or("")
+                            .to_owned(),
+                    );
+                    let out = serde_json::json!({
+                        "choices": [{"message": {"role": "assistant", "content": reply}}],
+                        "usage": {"prompt_tokens": 50, "completion_tokens": 5}
+                    })
+                    .to_string();
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{out}",
+                        out.len()
+                    );
+                });
+            }
+        });
+        Self { url, prompts }
+    }
+}

@@ -297,6 +297,36 @@ impl SteamState {
         Ok(out)
     }
 
+    /// Replaces a memory's content (an LLM's summary instead of the
+    /// deterministic one); false if there is no such memory.
+    pub fn set_memory_content(&mut self, id: MemoryId, content: String) -> bool {
+        let Some(user) = self.owner.get(&id) else {
+            return false;
+        };
+        match self
+            .users
+            .get_mut(user)
+            .and_then(|u| u.memories.iter_mut().find(|m| m.id == id))
+        {
+            Some(m) => {
+                m.content = content;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Replaces a published prototype's content; false if there is none.
+    pub fn set_prototype_content(&mut self, id: MemoryId, content: String) -> bool {
+        match self.prototypes.get_mut(&id) {
+            Some(p) => {
+                p.content = content;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The relation-extraction half of [`SteamState::link`] for `memories`,
     /// without changing anything (benchmarks, and checks).
     ///
