@@ -297,6 +297,75 @@ impl SteamState {
         Ok(out)
     }
 
+    /// Deletes every memory of `user_id` and their links (both directions),
+    /// splits the communities they held together, re-links the other users'
+    /// memories that pointed at them (their top-k1 must be found again), and
+    /// rebuilds or withdraws the affected prototypes. Returns the deleted
+    /// memory ids and what the re-linking did.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn forget_user(
+        &mut self,
+        kernel: &dyn SimilarityKernel,
+        user_id: &str,
+    ) -> Result<(Vec<MemoryId>, LinkOutcome), steamrf_kernels::Error> {
+        let Some(user) = self.users.remove(user_id) else {
+            return Ok((Vec::new(), LinkOutcome::default()));
+        };
+        let gone: BTreeSet<MemoryId> = user.memories.iter().map(|m| m.id).collect();
+        let batch = GraphBatch {
+            remove_nodes: gone.iter().copied().collect(),
+            ..GraphBatch::default()
+        };
+        for id in &gone {
+            self.owner.remove(id);
+            self.index.remove(*id);
+            self.out_links.remove(id);
+        }
+        // Other memories that linked to the forgotten ones lose those links.
+        let mut affected = Vec::new();
+        for (from, links) in self.out_links.iter_mut() {
+            let before = links.len();
+            links.retain(|l| !gone.contains(&l.to));
+            if links.len() != before {
+                affected.push(*from);
+            }
+        }
+        affected.sort_unstable();
+        let delta = self.communities.apply(&batch);
+        let mut out = self.link(kernel, &affected)?;
+        // Merge the removal's community changes into the outcome.
+        out.delta.removed.extend(delta.removed.iter().copied());
+        out.delta.splits += delta.splits;
+        out.delta.moved.extend(delta.moved.iter().copied());
+        let mut extra = LinkOutcome {
+            delta: CommunityDelta {
+                changed: delta
+                    .changed
+                    .iter()
+                    .copied()
+                    .filter(|c| !out.delta.changed.contains(c))
+                    .collect(),
+                removed: delta.removed.clone(),
+                ..CommunityDelta::default()
+            },
+            ..LinkOutcome::default()
+        };
+        self.refresh_prototypes(&mut extra);
+        out.prototypes.extend(extra.prototypes);
+        out.prototypes_removed.extend(extra.prototypes_removed);
+        out.prototypes_removed.sort_unstable();
+        out.prototypes_removed.dedup();
+        // A prototype never lists a forgotten memory.
+        debug_assert!(
+            self.prototypes
+                .values()
+                .all(|p| p.members.iter().all(|m| !gone.contains(m)))
+        );
+        Ok((gone.into_iter().collect(), out))
+    }
+
     /// Replaces a memory's content (an LLM's summary instead of the
     /// deterministic one); false if there is no such memory.
     pub fn set_memory_content(&mut self, id: MemoryId, content: String) -> bool {

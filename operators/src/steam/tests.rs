@@ -179,3 +179,71 @@ fn restoring_memories_and_links_rebuilds_the_same_communities() {
     };
     assert_eq!(protos(&r), protos(&s));
 }
+
+#[test]
+fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
+    // ann - bob - cat - dan in a chain through bob's and cat's memories:
+    // forgetting bob leaves communities below the floor of 3 users.
+    let mut s = SteamState::new(
+        SteamParams {
+            k1: 1,
+            ..SteamParams::default()
+        },
+        3,
+    );
+    let o = s
+        .observe(vec![
+            ("ann".into(), obs("a", 1, [1.0, 0.0, 0.0], "A", "x")),
+            ("bob".into(), obs("b", 2, [0.75, 0.66, 0.0], "B", "x")),
+            ("cat".into(), obs("c", 3, [0.28, 0.96, 0.0], "C", "x")),
+            ("dan".into(), obs("d", 4, [0.0, 1.0, 0.05], "D", "x")),
+        ])
+        .unwrap();
+    s.link(&CpuKernel::default(), &o.changed).unwrap();
+    assert_eq!(s.communities().count(), 1);
+    assert_eq!(s.prototypes().count(), 1);
+    let bob = s.user("bob").unwrap().memories[0].id;
+    let (gone, out) = s.forget_user(&CpuKernel::default(), "bob").unwrap();
+    assert_eq!(gone, vec![bob]);
+    assert!(s.user("bob").is_none());
+    assert!(s.memory(bob).is_none());
+    assert_eq!(s.communities().community_of(bob), None);
+    // ann is alone now (nothing else reaches tau), cat and dan are two
+    // users: below the floor, so the prototype is withdrawn.
+    let ann = s.user("ann").unwrap().memories[0].id;
+    let cat = s.user("cat").unwrap().memories[0].id;
+    assert_eq!(
+        s.communities()
+            .members(s.communities().community_of(ann).unwrap())
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(
+        s.communities()
+            .members(s.communities().community_of(cat).unwrap())
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(s.prototypes().count(), 0);
+    assert_eq!(out.prototypes_removed.len(), 1);
+    assert!(out.links.iter().all(|l| l.to != bob && l.from != bob));
+    // The communities equal a from-scratch computation.
+    let nodes: Vec<MemoryId> = ["ann", "cat", "dan"]
+        .iter()
+        .flat_map(|u| s.user(u).unwrap().memories.iter().map(|m| m.id))
+        .collect();
+    let edges = s.communities().edges();
+    assert_eq!(
+        s.communities().partition(),
+        community::partition_from_scratch(nodes, &edges)
+    );
+    // Forgetting an unknown user does nothing.
+    assert!(
+        s.forget_user(&CpuKernel::default(), "nobody")
+            .unwrap()
+            .0
+            .is_empty()
+    );
+}
