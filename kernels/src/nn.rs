@@ -73,8 +73,13 @@ pub struct MatMut<'a> {
     col_stride: usize,
 }
 
-fn fits(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
-    rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+/// Panics unless every element of a `rows × cols` view with these strides lies in `len` values.
+fn check_view(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) {
+    let fits = rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len;
+    assert!(
+        fits,
+        "a {rows}x{cols} view with strides ({rs}, {cs}) does not fit in {len} values"
+    );
 }
 
 impl<'a> MatRef<'a> {
@@ -89,11 +94,7 @@ impl<'a> MatRef<'a> {
         row_stride: usize,
         col_stride: usize,
     ) -> Self {
-        assert!(
-            fits(data.len(), rows, cols, row_stride, col_stride),
-            "a {rows}x{cols} view with strides ({row_stride}, {col_stride}) does not fit in {} values",
-            data.len()
-        );
+        check_view(data.len(), rows, cols, row_stride, col_stride);
         Self {
             data,
             rows,
@@ -132,11 +133,7 @@ impl<'a> MatMut<'a> {
         row_stride: usize,
         col_stride: usize,
     ) -> Self {
-        assert!(
-            fits(data.len(), rows, cols, row_stride, col_stride),
-            "a {rows}x{cols} view with strides ({row_stride}, {col_stride}) does not fit in {} values",
-            data.len()
-        );
+        check_view(data.len(), rows, cols, row_stride, col_stride);
         Self {
             data,
             rows,

@@ -17,5 +17,6 @@
 
 pub mod batch;
 pub mod embed;
+mod http;
 pub mod llm;
 pub mod steam;

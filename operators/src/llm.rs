@@ -168,22 +168,12 @@ impl ChatClient {
     /// # Errors
     /// If the HTTP client cannot be built.
     pub fn new(opts: ChatOptions) -> Result<Self, LlmError> {
-        let url = opts.url.trim_end_matches('/');
-        let endpoint = if url.ends_with("/chat/completions") {
-            url.to_owned()
-        } else if url.ends_with("/v1") {
-            format!("{url}/chat/completions")
-        } else {
-            format!("{url}/v1/chat/completions")
-        };
-        let client = reqwest::Client::builder()
-            .timeout(opts.timeout)
-            .build()
-            .map_err(|e| LlmError::Remote {
-                url: endpoint.clone(),
-                reason: format!("building the HTTP client: {e}"),
-                retryable: false,
-            })?;
+        let endpoint = crate::http::endpoint(&opts.url, "chat/completions");
+        let client = crate::http::client(opts.timeout).map_err(|reason| LlmError::Remote {
+            url: endpoint.clone(),
+            reason,
+            retryable: false,
+        })?;
         Ok(Self {
             client,
             endpoint,
@@ -245,11 +235,12 @@ impl ChatClient {
                     retryable: true, ..
                 }) if attempt + 1 < self.opts.max_attempts => {
                     self.stats.retries.fetch_add(1, Ordering::Relaxed);
-                    let base = self
-                        .opts
-                        .initial_backoff
-                        .saturating_mul(1 << attempt.min(10));
-                    tokio::time::sleep(base.mul_f64(0.5 + rand::random::<f64>() * 0.5)).await;
+                    let wait = crate::http::backoff(
+                        self.opts.initial_backoff,
+                        Duration::from_secs(30),
+                        attempt,
+                    );
+                    tokio::time::sleep(wait).await;
                     attempt += 1;
                 }
                 Err(e) => {
@@ -261,32 +252,14 @@ impl ChatClient {
     }
 
     async fn attempt(&self, body: &[u8]) -> Result<String, LlmError> {
-        let mut req = self
-            .client
-            .post(&self.endpoint)
-            .header("content-type", "application/json")
-            .body(body.to_vec());
-        if let Some(key) = &self.opts.api_key {
-            req = req.header("authorization", format!("Bearer {key}"));
-        }
-        let resp = req.send().await.map_err(|e| {
-            let kind = if e.is_timeout() {
-                "timed out"
-            } else {
-                "failed"
-            };
-            self.err(format!("request {kind}: {e}"), true)
-        })?;
-        let status = resp.status();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| self.err(format!("reading the response: {e}"), true))?;
-        if !status.is_success() {
-            let retryable = status.as_u16() == 429 || status.is_server_error();
-            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
-            return Err(self.err(format!("HTTP {status}: {text}"), retryable));
-        }
+        let bytes = crate::http::post_json(
+            &self.client,
+            &self.endpoint,
+            self.opts.api_key.as_deref(),
+            body,
+        )
+        .await
+        .map_err(|f| self.err(f.reason, f.retryable))?;
         let parsed: Response = serde_json::from_slice(&bytes)
             .map_err(|e| self.err(format!("unreadable response: {e}"), false))?;
         let usage = parsed.usage.unwrap_or_default();

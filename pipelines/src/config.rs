@@ -92,14 +92,7 @@ impl fmt::Debug for LlmConfig {
         f.debug_struct("LlmConfig")
             .field("url", &self.url)
             .field("model", &self.model)
-            .field(
-                "api_key",
-                &if self.api_key.is_empty() {
-                    ""
-                } else {
-                    "<redacted>"
-                },
-            )
+            .field("api_key", &redact(&self.api_key))
             .field("max_in_flight", &self.max_in_flight)
             .field("token_budget", &self.token_budget)
             .finish_non_exhaustive()
@@ -215,14 +208,7 @@ impl fmt::Debug for RemoteEmbedConfig {
         f.debug_struct("RemoteEmbedConfig")
             .field("url", &self.url)
             .field("model", &self.model)
-            .field(
-                "api_key",
-                &if self.api_key.is_empty() {
-                    ""
-                } else {
-                    "<redacted>"
-                },
-            )
+            .field("api_key", &redact(&self.api_key))
             .field("timeout", &self.timeout)
             .field("max_attempts", &self.max_attempts)
             .field("max_in_flight", &self.max_in_flight)
@@ -304,6 +290,11 @@ fn is_secret(key: &str) -> bool {
         .iter()
         .any(|s| k.contains(s))
         && !k.ends_with(".location")
+}
+
+/// An empty secret shows as empty; any other as `<redacted>`.
+fn redact(secret: &str) -> &'static str {
+    if secret.is_empty() { "" } else { "<redacted>" }
 }
 
 fn redacted(map: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {

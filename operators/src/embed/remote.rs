@@ -100,29 +100,19 @@ impl RemoteEmbedder {
     /// # Errors
     /// If the HTTP client cannot be built or the URL is empty.
     pub fn new(opts: RemoteOptions) -> Result<Self, EmbedError> {
-        let url = opts.url.trim_end_matches('/');
-        if url.is_empty() {
+        if opts.url.trim().is_empty() {
             return Err(EmbedError::Remote {
                 url: String::new(),
                 reason: "no URL configured".into(),
                 retryable: false,
             });
         }
-        let endpoint = if url.ends_with("/embeddings") {
-            url.to_owned()
-        } else if url.ends_with("/v1") {
-            format!("{url}/embeddings")
-        } else {
-            format!("{url}/v1/embeddings")
-        };
-        let client = reqwest::Client::builder()
-            .timeout(opts.timeout)
-            .build()
-            .map_err(|e| EmbedError::Remote {
-                url: endpoint.clone(),
-                reason: format!("building the HTTP client: {e}"),
-                retryable: false,
-            })?;
+        let endpoint = crate::http::endpoint(&opts.url, "embeddings");
+        let client = crate::http::client(opts.timeout).map_err(|reason| EmbedError::Remote {
+            url: endpoint.clone(),
+            reason,
+            retryable: false,
+        })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 client,
@@ -184,14 +174,7 @@ impl Inner {
     }
 
     fn backoff(&self, attempt: u32) -> Duration {
-        let base = self
-            .opts
-            .initial_backoff
-            .saturating_mul(1u32 << attempt.min(16))
-            .min(self.opts.max_backoff);
-        // Full jitter in [base/2, base], so many clients do not retry in step.
-        let jitter = rand::random::<f64>() * 0.5 + 0.5;
-        base.mul_f64(jitter)
+        crate::http::backoff(self.opts.initial_backoff, self.opts.max_backoff, attempt)
     }
 
     async fn attempt(
@@ -199,41 +182,14 @@ impl Inner {
         body: &[u8],
         n: usize,
     ) -> Result<Embeddings, (EmbedError, Option<Duration>)> {
-        let mut req = self
-            .client
-            .post(&self.endpoint)
-            .header("content-type", "application/json")
-            .body(body.to_vec());
-        if let Some(key) = &self.opts.api_key {
-            req = req.header("authorization", format!("Bearer {key}"));
-        }
-        let resp = req.send().await.map_err(|e| {
-            let kind = if e.is_timeout() {
-                "timed out"
-            } else {
-                "failed"
-            };
-            (self.err(format!("request {kind}: {e}"), true), None)
-        })?;
-        let status = resp.status();
-        let retry_after = resp
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| (self.err(format!("reading the response: {e}"), true), None))?;
-        if !status.is_success() {
-            let retryable = status.as_u16() == 429 || status.is_server_error();
-            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
-            return Err((
-                self.err(format!("HTTP {status}: {text}"), retryable),
-                retry_after,
-            ));
-        }
+        let bytes = crate::http::post_json(
+            &self.client,
+            &self.endpoint,
+            self.opts.api_key.as_deref(),
+            body,
+        )
+        .await
+        .map_err(|f| (self.err(f.reason, f.retryable), f.retry_after))?;
         let parsed: Response = serde_json::from_slice(&bytes)
             .map_err(|e| (self.err(format!("unreadable response: {e}"), false), None))?;
         if parsed.data.len() != n {
