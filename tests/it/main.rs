@@ -333,16 +333,7 @@ fn events_become_memories_communities_and_prototypes() {
             max_rows: 1000,
             linger_ms: 100,
         };
-        let config = cfg.write();
-        let mut text = std::fs::read_to_string(&config).unwrap();
-        text.push_str("[steam]\nenabled = true\n");
-        std::fs::write(&config, text).unwrap();
-        let mut p = Pipeline::start(&config, Some("3s"));
-        assert!(
-            p.wait(Duration::from_secs(120)).success(),
-            "{}",
-            p.log_text()
-        );
+        cfg.run_to_idle("[steam]\nenabled = true\n");
         let u = cfg.lancedb_uri();
         snapshots.push(sql_text(
             &u,
@@ -475,19 +466,10 @@ fn memory_contents_come_from_the_llm_when_configured() {
         max_rows: 1000,
         linger_ms: 100,
     };
-    let config = cfg.write();
-    let mut text = std::fs::read_to_string(&config).unwrap();
-    text.push_str(&format!(
+    cfg.run_to_idle(&format!(
         "[steam]\nenabled = true\n[steam.llm]\nurl = \"{}\"\nmax_in_flight = 2\n",
         chat.url
     ));
-    std::fs::write(&config, text).unwrap();
-    let mut p = Pipeline::start(&config, Some("3s"));
-    assert!(
-        p.wait(Duration::from_secs(120)).success(),
-        "{}",
-        p.log_text()
-    );
     let uri = cfg.lancedb_uri();
     let total = sql_count(&uri, "SELECT count(*) AS n FROM memories");
     let from_llm = sql_count(

@@ -215,6 +215,26 @@ impl PipelineConfig<'_> {
         self.dir.join("lancedb").to_string_lossy().into_owned()
     }
 
+    /// As [`PipelineConfig::write`], with `extra` TOML appended (more sections).
+    pub fn write_with(&self, extra: &str) -> PathBuf {
+        let path = self.write();
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text.push_str(extra);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Runs `steamrf run` on this configuration (plus `extra`) until the
+    /// topic has been idle for 3 s, and checks it exits 0.
+    pub fn run_to_idle(&self, extra: &str) {
+        let mut p = Pipeline::start(&self.write_with(extra), Some("3s"));
+        assert!(
+            p.wait(Duration::from_secs(120)).success(),
+            "{}",
+            p.log_text()
+        );
+    }
+
     pub fn write(&self) -> PathBuf {
         let path = self.dir.join(format!("{}.toml", self.group));
         let text = format!(
