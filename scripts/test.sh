@@ -11,6 +11,10 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 start=$(date +%s)
 
 scripts/tools.sh
+# NVRTC from PyPI: the CUDA kernels are compiled in the tests (no GPU needed),
+# and a kernel that fails to compile fails CI.
+export LD_LIBRARY_PATH="$PWD/.tools/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export STEAMRF_REQUIRE_NVRTC=1
 if scripts/broker.sh status >/dev/null 2>&1; then
   echo "test: using the broker already on 127.0.0.1:${STEAMRF_BROKER_PORT:-9092}"
 else

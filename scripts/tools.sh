@@ -83,3 +83,23 @@ with zipfile.ZipFile(whl) as z:
 PY
   (cd "$MODEL_DIR" && echo "$MODEL_SHA256" | sha256sum -c --quiet)
 fi
+
+# NVRTC (the CUDA run-time compiler) from the PyPI wheel nvidia-cuda-nvrtc-cu12,
+# so CI compiles the CUDA kernels even without a GPU or CUDA toolkit. Tests
+# find it through LD_LIBRARY_PATH=$TOOLS/cuda/lib (set by scripts/test.sh).
+NVRTC_WHEEL_SHA256=210cf05005a447e29214e9ce50851e83fc5f4358df8b453155d5e1918094dcb4
+if [ ! -e "$TOOLS/cuda/lib/libnvrtc.so.12" ]; then
+  echo "steamrf: fetching NVRTC (PyPI nvidia-cuda-nvrtc-cu12==12.9.86)"
+  python3 -m pip download --no-deps -q nvidia-cuda-nvrtc-cu12==12.9.86 -d "$TOOLS/wheels"
+  whl=$(ls "$TOOLS"/wheels/nvidia_cuda_nvrtc_cu12-12.9.86-*.whl | head -n1)
+  echo "$NVRTC_WHEEL_SHA256  $whl" | sha256sum -c --quiet
+  mkdir -p "$TOOLS/cuda/lib"
+  python3 - "$whl" "$TOOLS/cuda/lib" <<'PY'
+import sys, zipfile, os
+whl, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    for name in ("libnvrtc.so.12", "libnvrtc-builtins.so.12.9"):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(z.read("nvidia/cuda_nvrtc/lib/" + name))
+PY
+fi

@@ -18,6 +18,7 @@
 #![deny(missing_docs)]
 
 pub mod cpu;
+pub mod cuda;
 pub mod nn;
 pub mod reference;
 mod topk;
@@ -110,10 +111,38 @@ impl Hit {
 }
 
 /// A row-major matrix of L2-normalised vectors.
-#[derive(Debug, Clone, Default)]
+///
+/// It keeps a short log of which rows changed, so a device-resident copy (the
+/// CUDA backend's) can be brought up to date by uploading only those rows.
+#[derive(Debug, Default)]
 pub struct Corpus {
     data: Vec<f32>,
     dim: usize,
+    uid: u64,
+    version: u64,
+    /// (version after the change, first row, end row), oldest first.
+    changes: std::collections::VecDeque<(u64, usize, usize)>,
+}
+
+/// Changes remembered per corpus; a device copy older than that is re-uploaded whole.
+const CHANGE_LOG: usize = 4096;
+
+fn next_uid() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Clone for Corpus {
+    /// A copy is a different corpus (its own identity and change log).
+    fn clone(&self) -> Self {
+        Self {
+            data: self.data.clone(),
+            dim: self.dim,
+            uid: next_uid(),
+            version: 0,
+            changes: Default::default(),
+        }
+    }
 }
 
 fn check_shape(len: usize, dim: usize) -> Result<()> {
@@ -157,7 +186,47 @@ impl Corpus {
         Self {
             data: Vec::new(),
             dim,
+            uid: next_uid(),
+            version: 0,
+            changes: Default::default(),
         }
+    }
+
+    fn record(&mut self, start: usize, end: usize) {
+        self.version += 1;
+        if self.changes.len() == CHANGE_LOG {
+            self.changes.pop_front();
+        }
+        self.changes.push_back((self.version, start, end));
+    }
+
+    /// This corpus's identity (a clone gets a new one).
+    pub fn uid(&self) -> u64 {
+        self.uid
+    }
+
+    /// Incremented by every change.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The row ranges changed since `version`, or `None` if the log no longer
+    /// reaches back that far (then everything must be re-read).
+    pub fn changed_since(&self, version: u64) -> Option<Vec<std::ops::Range<usize>>> {
+        if version == self.version {
+            return Some(Vec::new());
+        }
+        let oldest = self.changes.front().map_or(self.version + 1, |c| c.0);
+        if version + 1 < oldest || version > self.version {
+            return None;
+        }
+        Some(
+            self.changes
+                .iter()
+                .filter(|c| c.0 > version)
+                .map(|c| c.1..c.2)
+                .collect(),
+        )
     }
 
     /// Normalises and copies `rows` (row-major, `dim` values each).
@@ -176,7 +245,10 @@ impl Corpus {
     /// As [`Corpus::from_rows`].
     pub fn from_vec(mut rows: Vec<f32>, dim: usize) -> Result<Self> {
         normalize_in_place(&mut rows, dim)?;
-        Ok(Self { data: rows, dim })
+        Ok(Self {
+            data: rows,
+            ..Self::new(dim)
+        })
     }
 
     /// Appends rows (normalised); their indices continue from [`Corpus::len`].
@@ -188,7 +260,10 @@ impl Corpus {
         if (self.data.len() + tmp.len()) / self.dim > u32::MAX as usize {
             return Err(invalid("a corpus holds at most 2^32 rows"));
         }
+        let start = self.len();
         self.data.extend_from_slice(&tmp);
+        let end = self.len();
+        self.record(start, end);
         Ok(())
     }
 
@@ -206,6 +281,7 @@ impl Corpus {
         }
         let tmp = normalized_copy(row, self.dim)?;
         self.data[index * self.dim..(index + 1) * self.dim].copy_from_slice(&tmp);
+        self.record(index, index + 1);
         Ok(())
     }
 

@@ -312,6 +312,67 @@ pub struct SimilarityBench {
     pub k: usize,
     /// Python with numpy and threadpoolctl (scripts/tools.sh installs one).
     pub python: PathBuf,
+    /// `cpu` (reference: numpy/OpenBLAS) or `cuda` (reference: cuBLAS GEMM only).
+    pub backend: String,
+    /// `f32` or `f16` (CUDA only).
+    pub precision: String,
+}
+
+/// `steamrf bench similarity --backend cuda`: the CUDA kernel (cuBLAS GEMM +
+/// top-k kernel, host merge) beside cuBLAS GEMM alone on the same shapes.
+fn similarity_cuda(
+    b: &SimilarityBench,
+    corpus: &steamrf_kernels::Corpus,
+    queries: &[f32],
+) -> Result<Vec<String>> {
+    use steamrf_kernels::cuda::{CudaKernel, Precision};
+    use steamrf_kernels::{SearchParams, SimilarityKernel, cpu::CpuKernel};
+    let internal = |e: steamrf_kernels::Error| Error::Internal {
+        message: e.to_string(),
+    };
+    let precision = if b.precision == "f16" {
+        Precision::F16
+    } else {
+        Precision::F32
+    };
+    let kernel = CudaKernel::new(0, precision).map_err(internal)?;
+    let flops = 2.0 * b.queries as f64 * b.corpus as f64 * b.dim as f64;
+    let params = SearchParams::top(b.k);
+    // Warm-up: uploads the corpus (kept on the device) and loads cuBLAS.
+    kernel.top_k(queries, corpus, &params).map_err(internal)?;
+    let mut best = f64::INFINITY;
+    let mut hits = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        hits = kernel.top_k(queries, corpus, &params).map_err(internal)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let mut gemm = f64::INFINITY;
+    for _ in 0..3 {
+        gemm = gemm.min(kernel.time_gemm_only(queries, corpus).map_err(internal)?);
+    }
+    let q4 = &queries[..(4 * b.dim).min(queries.len())];
+    let cpu = CpuKernel::default()
+        .top_k(q4, corpus, &params)
+        .map_err(internal)?;
+    let agree = cpu
+        .iter()
+        .zip(&hits)
+        .filter(|(c, g)| c.first().map(|h| h.index) == g.first().map(|h| h.index))
+        .count();
+    let (ours, blas) = (flops / best / 1e9, flops / gemm / 1e9);
+    Ok(vec![
+        format!(
+            "steamrf cuda kernel on {} ({precision:?}, blocks of {} rows, top-{} kernel + host merge): {best:.4} s, {ours:.0} GFLOP/s",
+            kernel.name, kernel.block_rows, b.k
+        ),
+        format!("cuBLAS SGEMM only, same blocks: {gemm:.4} s, {blas:.0} GFLOP/s"),
+        format!("top-1 agrees with the CPU kernel on {agree} of 4 queries"),
+        format!(
+            "RESULT steamrf_gflops={ours:.1} blas_gflops={blas:.1} ratio={:.3}",
+            ours / blas
+        ),
+    ])
 }
 
 /// `steamrf bench similarity`: GFLOP/s of the CPU kernel (top-k included)
@@ -333,6 +394,9 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
         |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
     let corpus = Corpus::from_vec(normal(b.corpus * b.dim), b.dim).map_err(internal)?;
     let queries = normal(b.queries * b.dim);
+    if b.backend == "cuda" {
+        return similarity_cuda(b, &corpus, &queries);
+    }
     let flops = 2.0 * b.queries as f64 * b.corpus as f64 * b.dim as f64;
     let kernel = CpuKernel::default();
     let params = SearchParams::top(b.k);

@@ -62,6 +62,40 @@ pub struct SteamConfig {
     pub max_memories_per_user: usize,
     /// Memory and prototype content from an LLM (off when `url` is empty).
     pub llm: LlmConfig,
+    /// Similarity kernel for relation extraction: auto (CUDA if a device
+    /// works, else CPU), cuda, or cpu.
+    #[serde(deserialize_with = "kernel_choice")]
+    pub kernel: steamrf_kernels::cuda::Choice,
+    /// Device storage precision: f32 or f16.
+    #[serde(deserialize_with = "kernel_precision")]
+    pub precision: steamrf_kernels::cuda::Precision,
+}
+
+fn kernel_choice<'de, D: Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<steamrf_kernels::cuda::Choice, D::Error> {
+    use steamrf_kernels::cuda::Choice;
+    match String::deserialize(d)?.as_str() {
+        "auto" => Ok(Choice::Auto),
+        "cuda" => Ok(Choice::Cuda),
+        "cpu" => Ok(Choice::Cpu),
+        other => Err(de::Error::custom(format!(
+            "unknown kernel {other:?} (expected auto, cuda or cpu)"
+        ))),
+    }
+}
+
+fn kernel_precision<'de, D: Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<steamrf_kernels::cuda::Precision, D::Error> {
+    use steamrf_kernels::cuda::Precision;
+    match String::deserialize(d)?.as_str() {
+        "f32" => Ok(Precision::F32),
+        "f16" => Ok(Precision::F16),
+        other => Err(de::Error::custom(format!(
+            "unknown precision {other:?} (expected f32 or f16)"
+        ))),
+    }
 }
 
 /// `[steam.llm]`

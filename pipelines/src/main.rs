@@ -84,6 +84,12 @@ enum BenchCmd {
         /// Python with numpy and threadpoolctl.
         #[arg(long, default_value = ".tools/venv/bin/python")]
         python: PathBuf,
+        /// `cpu` (beside numpy/OpenBLAS) or `cuda` (beside cuBLAS GEMM only).
+        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+        backend: String,
+        /// `f32` or `f16` (CUDA only).
+        #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+        precision: String,
     },
     /// Per-batch relation extraction + community maintenance beside a full recomputation.
     Communities {
@@ -222,6 +228,8 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     dim,
                     k,
                     python,
+                    backend,
+                    precision,
                 },
         } => {
             let b = bench::SimilarityBench {
@@ -230,6 +238,8 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 dim,
                 k,
                 python,
+                backend,
+                precision,
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
             for l in lines {

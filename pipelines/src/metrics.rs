@@ -92,6 +92,8 @@ pub struct Metrics {
     pub llm_calls: IntCounterVec,
     /// LLM tokens spent, by kind (prompt, completion).
     pub llm_tokens: IntCounterVec,
+    /// 1 for the similarity kernel backend in use (cpu, cuda).
+    pub kernel_backend: IntGaugeVec,
 }
 
 fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -365,6 +367,12 @@ impl Metrics {
                 "LLM tokens spent, as reported by the endpoint.",
                 &["kind"],
             ),
+            kernel_backend: gauge_vec(
+                &r,
+                "steamrf_kernel_backend_info",
+                "1 for the similarity kernel backend relation extraction uses.",
+                &["backend"],
+            ),
             registry: r,
         };
         for k in ["formed", "consolidated"] {
@@ -372,6 +380,9 @@ impl Metrics {
         }
         for k in ["ok", "fallback"] {
             m.llm_calls.with_label_values(&[k]);
+        }
+        for b in ["cpu", "cuda"] {
+            m.kernel_backend.with_label_values(&[b]);
         }
         for k in ["prompt", "completion"] {
             m.llm_tokens.with_label_values(&[k]);

@@ -106,7 +106,25 @@ async fn run_inner(
             )),
             None => None,
         };
-        Some(SteamStage::open(&db, config.steam.params(), embedder, llm, metrics.clone()).await?)
+        let kernel = steamrf_kernels::cuda::select(config.steam.kernel, config.steam.precision)
+            .map_err(|e| Error::Config {
+                problems: vec![format!("steam.kernel: {e}")],
+            })?;
+        metrics
+            .kernel_backend
+            .with_label_values(&[kernel.backend().as_str()])
+            .set(1);
+        Some(
+            SteamStage::open(
+                &db,
+                config.steam.params(),
+                kernel,
+                embedder,
+                llm,
+                metrics.clone(),
+            )
+            .await?,
+        )
     } else {
         None
     };

@@ -26,7 +26,7 @@ use arrow_array::{Array, RecordBatch, RecordBatchIterator};
 use futures::TryStreamExt;
 use lancedb::Table;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
-use steamrf_kernels::cpu::CpuKernel;
+use steamrf_kernels::SimilarityKernel;
 use steamrf_operators::embed::Embedder;
 use steamrf_operators::llm::{ChatClient, LlmError, MEMORY_PROMPT, PROTOTYPE_PROMPT, render};
 use steamrf_operators::steam::memory::{Memory, Observation};
@@ -66,7 +66,7 @@ pub struct SteamStats {
 /// The stage.
 pub struct SteamStage {
     state: SteamState,
-    kernel: CpuKernel,
+    kernel: Arc<dyn SimilarityKernel>,
     items: HashMap<String, ItemMeta>,
     memories: Table,
     links: Table,
@@ -134,6 +134,7 @@ impl SteamStage {
     pub async fn open(
         db: &lancedb::Connection,
         params: SteamParams,
+        kernel: Arc<dyn SimilarityKernel>,
         embedder: Option<Arc<dyn Embedder>>,
         llm: Option<Arc<ChatClient>>,
         metrics: Metrics,
@@ -142,7 +143,7 @@ impl SteamStage {
         let open = |t: MemoryTable| open_or_create_named(db, t.as_str(), t.schema());
         let mut stage = Self {
             state: SteamState::new(params, EMBEDDING_DIM),
-            kernel: CpuKernel::default(),
+            kernel,
             items: HashMap::new(),
             memories: open(MemoryTable::Memories).await?,
             links: open(MemoryTable::MemoryLinks).await?,
@@ -342,7 +343,7 @@ impl SteamStage {
         }
         let mut link = self
             .state
-            .link(&self.kernel, &changed)
+            .link(self.kernel.as_ref(), &changed)
             .map_err(kernel_err)?;
         if self.llm.is_some() {
             self.llm_contents(&changed, &mut link).await;
