@@ -740,7 +740,8 @@ impl Config {
             }
         }
         if !st.llm.url.is_empty()
-            && !(st.llm.url.starts_with("http://") || st.llm.url.starts_with("https://"))
+            && !st.llm.url.starts_with("http://")
+            && !st.llm.url.starts_with("https://")
         {
             p.push(format!(
                 "steam.llm.url: {:?} must start with http:// or https://",

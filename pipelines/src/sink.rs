@@ -73,11 +73,11 @@ pub async fn open_or_create_named(
                     .open_table(name)
                     .execute()
                     .await
-                    .map_err(Error::lance(format!("opening {}", name)))?,
-                Err(e) => return Err(Error::lance(format!("creating {}", name))(e)),
+                    .map_err(Error::lance(format!("opening {name}")))?,
+                Err(e) => return Err(Error::lance(format!("creating {name}"))(e)),
             }
         }
-        Err(e) => return Err(Error::lance(format!("opening {}", name))(e)),
+        Err(e) => return Err(Error::lance(format!("opening {name}"))(e)),
     };
     let actual = table
         .schema()

@@ -90,7 +90,7 @@ proptest! {
         }
         let corpus = Corpus::from_vec(data, dim).unwrap_or_else(|_| Corpus::new(dim));
         let queries: Vec<f32> = (0..nq * dim).map(|i| val(i + 99_991)).collect();
-        let odd = |_q: usize, r: usize| r % 3 == 0;
+        let odd = |_q: usize, r: usize| r.is_multiple_of(3);
         let params = SearchParams { k, min_score: min, exclude: if filter { Some(&odd) } else { None } };
         let Ok(want) = ScalarKernel.top_k(&queries, &corpus, &params) else { return Ok(()) };
         let got = gpu.top_k(&queries, &corpus, &params).unwrap();

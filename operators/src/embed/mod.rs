@@ -45,11 +45,7 @@ pub struct Embeddings {
 impl Embeddings {
     /// Number of vectors.
     pub fn len(&self) -> usize {
-        if self.dim == 0 {
-            0
-        } else {
-            self.vectors.len() / self.dim
-        }
+        self.vectors.len().checked_div(self.dim).unwrap_or(0)
     }
 
     /// Whether there are no vectors.
@@ -228,7 +224,8 @@ impl LocalEmbedder {
                                 stats.failures.fetch_add(1, Ordering::Relaxed);
                             }
                         }
-                        let _ = job.reply.send(out);
+                        // A caller that stopped waiting has dropped its receiver.
+                        job.reply.send(out).ok();
                     }
                 })
                 .map_err(|e| EmbedError::Model(format!("spawning an embedding worker: {e}")))?;

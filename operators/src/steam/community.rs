@@ -149,8 +149,8 @@ impl Communities {
             while let Some(m) = queue.pop_front() {
                 part.insert(m);
                 for &n in &c.adj[&m] {
-                    if !c.label.contains_key(&n) {
-                        c.label.insert(n, start);
+                    if let std::collections::hash_map::Entry::Vacant(e) = c.label.entry(n) {
+                        e.insert(start);
                         queue.push_back(n);
                     }
                 }
