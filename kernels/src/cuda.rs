@@ -98,6 +98,24 @@ struct DeviceCorpus {
     f16: Option<CudaSlice<half::f16>>,
 }
 
+/// cuBLAS is column-major: the block's `n` rows are a dim×n matrix (lda =
+/// dim), the queries dim×nq (ldb = dim); Aᵀ·B is n×nq (ldc = n), i.e. one
+/// contiguous row of `n` scores per query.
+fn scores_gemm(n: usize, nq: usize, dim: usize) -> GemmConfig<f32> {
+    GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: n as i32,
+        n: nq as i32,
+        k: dim as i32,
+        alpha: 1.0,
+        lda: dim as i32,
+        ldb: dim as i32,
+        beta: 0.0,
+        ldc: n as i32,
+    }
+}
+
 /// The CUDA similarity kernel.
 pub struct CudaKernel {
     stream: Arc<CudaStream>,
@@ -270,18 +288,7 @@ impl CudaKernel {
             let mut start = 0;
             while start < d.rows {
                 let n = block.min(d.rows - start);
-                let cfg = GemmConfig {
-                    transa: cublasOperation_t::CUBLAS_OP_T,
-                    transb: cublasOperation_t::CUBLAS_OP_N,
-                    m: n as i32,
-                    n: nq as i32,
-                    k: dim as i32,
-                    alpha: 1.0f32,
-                    lda: dim as i32,
-                    ldb: dim as i32,
-                    beta: 0.0f32,
-                    ldc: n as i32,
-                };
+                let cfg = scores_gemm(n, nq, dim);
                 let launch = LaunchConfig {
                     grid_dim: (nq as u32, 1, 1),
                     block_dim: (TOPK_THREADS, 1, 1),
@@ -395,18 +402,7 @@ impl CudaKernel {
             let mut start = 0;
             while start < d.rows {
                 let n = block.min(d.rows - start);
-                let cfg = GemmConfig {
-                    transa: cublasOperation_t::CUBLAS_OP_T,
-                    transb: cublasOperation_t::CUBLAS_OP_N,
-                    m: n as i32,
-                    n: nq as i32,
-                    k: dim as i32,
-                    alpha: 1.0f32,
-                    lda: dim as i32,
-                    ldb: dim as i32,
-                    beta: 0.0f32,
-                    ldc: n as i32,
-                };
+                let cfg = scores_gemm(n, nq, dim);
                 let a = d.f32.slice(start * dim..(start + n) * dim);
                 // SAFETY: the same shapes as in `device_top`; `scores` holds
                 // nq × block ≥ nq × n values.
