@@ -285,6 +285,16 @@ impl CudaKernel {
             let block = self.block_rows.max(1);
             let mut out_s = self.stream.alloc_zeros::<f32>(nq * kk).map_err(driver)?;
             let mut out_i = self.stream.alloc_zeros::<u32>(nq * kk).map_err(driver)?;
+            // One scores buffer for every block (the last may use less of it).
+            let cap = nq * block.min(d.rows.max(1));
+            let mut scores32 = match d.f16 {
+                None => Some(self.stream.alloc_zeros::<f32>(cap).map_err(driver)?),
+                Some(_) => None,
+            };
+            let mut scores16 = match d.f16 {
+                Some(_) => Some(self.stream.alloc_zeros::<half::f16>(cap).map_err(driver)?),
+                None => None,
+            };
             let mut start = 0;
             while start < d.rows {
                 let n = block.min(d.rows - start);
@@ -297,10 +307,9 @@ impl CudaKernel {
                 let (ld, nv, off, k32) = (n as i32, n as i32, start as u32, kk as i32);
                 match (&d.f16, &q16) {
                     (Some(c16), Some(q16)) => {
-                        let mut scores = self
-                            .stream
-                            .alloc_zeros::<half::f16>(nq * n)
-                            .map_err(driver)?;
+                        let scores = scores16
+                            .as_mut()
+                            .ok_or_else(|| unavailable("no f16 scores buffer"))?;
                         let h = |x: f32| half::f16::from_f32(x);
                         let cfg16 = GemmConfig {
                             alpha: h(1.0),
@@ -318,13 +327,13 @@ impl CudaKernel {
                         // SAFETY: A is the block's n×dim rows (column-major
                         // dim×n, lda = dim), B the nq×dim queries (dim×nq,
                         // ldb = dim), C is n×nq (ldc = n): all in bounds.
-                        unsafe { self.blas.gemm(cfg16, &a, q16, &mut scores) }.map_err(driver)?;
+                        unsafe { self.blas.gemm(cfg16, &a, q16, scores) }.map_err(driver)?;
                         // SAFETY: topk_f16 reads nq rows of `ld` halves and
                         // writes nq×kk results into buffers of that size.
                         unsafe {
                             self.stream
                                 .launch_builder(&self.topk_f16)
-                                .arg(&scores)
+                                .arg(&*scores)
                                 .arg(&ld)
                                 .arg(&nv)
                                 .arg(&off)
@@ -337,16 +346,18 @@ impl CudaKernel {
                         }
                     }
                     _ => {
-                        let mut scores = self.stream.alloc_zeros::<f32>(nq * n).map_err(driver)?;
+                        let scores = scores32
+                            .as_mut()
+                            .ok_or_else(|| unavailable("no f32 scores buffer"))?;
                         let a = d.f32.slice(start * dim..(start + n) * dim);
                         // SAFETY: as above, in f32.
-                        unsafe { self.blas.gemm(cfg, &a, &q32, &mut scores) }.map_err(driver)?;
+                        unsafe { self.blas.gemm(cfg, &a, &q32, scores) }.map_err(driver)?;
                         // SAFETY: topk_f32 reads nq rows of `ld` floats and
                         // writes nq×kk results into buffers of that size.
                         unsafe {
                             self.stream
                                 .launch_builder(&self.topk_f32)
-                                .arg(&scores)
+                                .arg(&*scores)
                                 .arg(&ld)
                                 .arg(&nv)
                                 .arg(&off)
