@@ -40,6 +40,9 @@ use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::sink::open_or_create_named;
 
+/// Attempts at writing one batch's STEAM tables before the pipeline stops.
+const PERSIST_ATTEMPTS: u32 = 8;
+
 /// An item's metadata and embedding, for observations of clicks and purchases.
 #[derive(Debug, Clone)]
 struct ItemMeta {
@@ -350,7 +353,22 @@ impl SteamStage {
         }
         stats.links = link.links.len() as u64;
         stats.prototypes = link.prototypes.len() as u64;
-        self.persist(&changed, &link).await?;
+        // Every write of `persist` is idempotent (upserts, and link rows
+        // replaced per memory), so a retryable failure is retried as a whole.
+        let mut attempt = 0;
+        loop {
+            match self.persist(&changed, &link).await {
+                Ok(()) => break,
+                Err(e) if e.retryable() && attempt + 1 < PERSIST_ATTEMPTS => {
+                    self.metrics.error("steam", &e);
+                    let wait = crate::error::backoff(attempt);
+                    tracing::warn!(attempt, error = %e, ?wait, "Writing the STEAM tables failed; retrying.");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
         self.metrics
             .steam_memories
             .with_label_values(&["formed"])
