@@ -877,7 +877,6 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let mut synth = Synth::new(topics, b.dim);
     let mut state = SteamState::new(params, b.dim);
     let mut by_topic: Vec<Vec<u64>> = vec![Vec::new(); topics];
-    let mut embeddings: Vec<f32> = Vec::with_capacity(b.memories * b.dim);
     let t = Instant::now();
     let mk = |id: u64, user: usize, topic: usize, embedding: Vec<f32>| Memory {
         id,
@@ -896,7 +895,6 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     for i in 0..b.memories {
         let topic = synth.rng.random_range(0..topics);
         let e = synth.memory(topic);
-        embeddings.extend_from_slice(&e);
         let id = i as u64 + 1;
         by_topic[topic].push(id);
         state
@@ -919,8 +917,9 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         }
         let mut rows = Vec::with_capacity(members.len() * b.dim);
         for &id in members {
-            let i = (id - 1) as usize;
-            rows.extend_from_slice(&embeddings[i * b.dim..(i + 1) * b.dim]);
+            if let Some(m) = state.memory(id) {
+                rows.extend_from_slice(&m.embedding);
+            }
         }
         let corpus = Corpus::from_rows(&rows, b.dim).map_err(internal)?;
         let user = |id: u64| (id - 1) as usize % users;
