@@ -23,6 +23,9 @@ q "SELECT i.user_id, it.title, it.categories FROM interactions i JOIN items it O
 q "SELECT user_id, role, text FROM interactions WHERE kind = 'dialogue_turn' ORDER BY timestamp LIMIT 4"
 # Dialogue turns and items carry all-MiniLM-L6-v2 embeddings; clicks and purchases do not.
 q "SELECT kind, count(*) AS events, count(embedding) AS embedded FROM interactions GROUP BY kind ORDER BY kind"
+# STEAM memories (docs/steam.md): one per interest per user, linked across users.
+q "SELECT user_id, support, content FROM memories ORDER BY user_id, support DESC"
+q "SELECT from_user, to_user, round(score, 3) AS score FROM memory_links ORDER BY score DESC LIMIT 5"
 echo
 echo "Dead letters (malformed sample events) are on topic steamrf-dead-letters:"
 .tools/bin/kcat -b 127.0.0.1:9092 -C -t steamrf-dead-letters -o beginning -e -q \

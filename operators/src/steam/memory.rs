@@ -111,6 +111,11 @@ impl Default for EvolveParams {
     }
 }
 
+/// The id of a user's profile memory.
+pub fn profile_memory_id(user_id: &str) -> MemoryId {
+    memory_id(user_id, "profile")
+}
+
 /// FNV-1a over the user and the forming event: a stable memory id.
 pub fn memory_id(user_id: &str, event_id: &str) -> MemoryId {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -183,7 +188,7 @@ impl UserMemories {
         content: String,
         embedding: Vec<f32>,
     ) -> Option<MemoryId> {
-        let id = memory_id(&self.user_id, "profile");
+        let id = profile_memory_id(&self.user_id);
         if let Some(m) = self.memories.iter().find(|m| m.id == id) {
             let stored = (m.updated_ms, m.interactions.first().map(String::as_str));
             if stored >= (ts_ms, Some(event_id)) {
@@ -243,8 +248,18 @@ impl UserMemories {
             return Step::Unchanged(m.id);
         }
         let e = normalized(obs.embedding.clone());
-        let best = self.top_k(&e, 1, f32::NEG_INFINITY).first().copied();
-        let full = self.memories.len() >= params.max_memories_per_user;
+        // The profile memory holds static attributes, not an interest: it is
+        // never a consolidation target.
+        let profile = profile_memory_id(&self.user_id);
+        let best = self
+            .memories
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.id != profile)
+            .map(|(i, m)| (i, dot(&m.embedding, &e)))
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+        let interests = self.memories.iter().filter(|m| m.id != profile).count();
+        let full = interests >= params.max_memories_per_user;
         let target = match best {
             Some((i, s)) if params.consolidate && (s >= params.tau || full) => Some(i),
             Some((i, _)) if full => Some(i),
@@ -275,6 +290,8 @@ impl UserMemories {
                     *m.facets.entry(c.clone()).or_default() += 1;
                 }
                 if let Some(s) = snippet {
+                    // A repeat moves to the newest place instead of repeating.
+                    m.recent.retain(|r| r != &s);
                     m.recent.push(s);
                     if m.recent.len() > RECENT {
                         m.recent.remove(0);
@@ -334,14 +351,16 @@ mod tests {
         assert!(matches!(a, Step::Formed(_)));
         // cos = 0.8 >= 0.5: consolidated into the jazz memory.
         let b = u.observe(&obs("e2", [0.8, 0.6, 0.0], "Blue Train", "Jazz"), &p);
+        // The same title again is not listed twice.
+        u.observe(&obs("e2b", [0.8, 0.6, 0.0], "Blue Train", "Jazz"), &p);
         assert_eq!(b, Step::Consolidated(memory_id("u1", "e1")));
         // Orthogonal: a new memory for an emerging interest.
         let c = u.observe(&obs("e3", [0.0, 0.0, 1.0], "Alien", "Sci-Fi"), &p);
         assert_eq!(c, Step::Formed(memory_id("u1", "e3")));
         assert_eq!(u.memories.len(), 2);
         let jazz = &u.memories[0];
-        assert_eq!(jazz.interactions, vec!["e1", "e2"]);
-        assert_eq!(jazz.version, 2);
+        assert_eq!(jazz.interactions, vec!["e1", "e2", "e2b"]);
+        assert_eq!(jazz.version, 3);
         assert_eq!(
             jazz.content,
             "Interested in Jazz. For example: Blue Train; Kind of Blue"
@@ -351,7 +370,7 @@ mod tests {
         // A replayed event changes nothing.
         let again = u.observe(&obs("e2", [0.8, 0.6, 0.0], "Blue Train", "Jazz"), &p);
         assert_eq!(again, Step::Unchanged(memory_id("u1", "e1")));
-        assert_eq!(u.memories[0].version, 2);
+        assert_eq!(u.memories[0].version, 3);
     }
 
     #[test]

@@ -166,6 +166,13 @@ impl SteamState {
 
     fn touch(&mut self, user_id: &str, id: MemoryId) -> Result<(), steamrf_kernels::Error> {
         self.owner.insert(id, user_id.to_owned());
+        // A profile memory stays local: profiles share a template, so their
+        // embeddings are close across users whatever their interests, and
+        // linking them would join everyone's profile into one community
+        // (and publish a summary of personal attributes).
+        if id == memory::profile_memory_id(user_id) {
+            return Ok(());
+        }
         let emb = self
             .users
             .get(user_id)

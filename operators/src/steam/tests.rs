@@ -247,3 +247,39 @@ fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
             .is_empty()
     );
 }
+
+#[test]
+fn profile_memories_are_never_linked_across_users() {
+    let mut s = SteamState::new(SteamParams::default(), 3);
+    let mut changed = Vec::new();
+    for u in ["ann", "ben", "cat"] {
+        changed.extend(
+            s.init_profile(
+                u,
+                &format!("p-{u}"),
+                0,
+                "User profile: {}".into(),
+                vec![1.0, 0.0, 0.0],
+            )
+            .unwrap(),
+        );
+    }
+    let out = s.link(&CpuKernel::default(), &changed).unwrap();
+    assert!(out.links.is_empty(), "{:?}", out.links);
+    assert_eq!(s.prototypes().count(), 0);
+    // Interests still link.
+    let o = s
+        .observe(vec![
+            ("ann".into(), obs("a", 1, [1.0, 0.0, 0.0], "A", "x")),
+            ("ben".into(), obs("b", 1, [1.0, 0.0, 0.0], "B", "x")),
+        ])
+        .unwrap();
+    let out = s.link(&CpuKernel::default(), &o.changed).unwrap();
+    assert_eq!(out.links.len(), 2);
+    let profile = memory::profile_memory_id("ann");
+    assert!(
+        out.links
+            .iter()
+            .all(|l| l.to != profile && l.from != profile)
+    );
+}
