@@ -101,19 +101,40 @@ struct DeviceCorpus {
 /// cuBLAS is column-major: the block's `n` rows are a dim×n matrix (lda =
 /// dim), the queries dim×nq (ldb = dim); Aᵀ·B is n×nq (ldc = n), i.e. one
 /// contiguous row of `n` scores per query.
-fn scores_gemm(n: usize, nq: usize, dim: usize) -> GemmConfig<f32> {
+/// `one` and `zero` are alpha and beta in the storage type.
+fn scores_gemm<T>(n: usize, nq: usize, dim: usize, one: T, zero: T) -> GemmConfig<T> {
     GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_T,
         transb: cublasOperation_t::CUBLAS_OP_N,
         m: n as i32,
         n: nq as i32,
         k: dim as i32,
-        alpha: 1.0,
+        alpha: one,
         lda: dim as i32,
         ldb: dim as i32,
-        beta: 0.0,
+        beta: zero,
         ldc: n as i32,
     }
+}
+
+/// One call's scores buffer, in the storage precision, with the matching
+/// device corpus and queries.
+enum Scores<'a> {
+    F32(CudaSlice<f32>),
+    F16 {
+        buf: CudaSlice<half::f16>,
+        corpus: &'a CudaSlice<half::f16>,
+        queries: &'a CudaSlice<half::f16>,
+    },
+}
+
+/// One top-k launch over a block of scores.
+struct TopkLaunch {
+    nq: usize,
+    n: usize,
+    offset: usize,
+    k: usize,
+    min_score: f32,
 }
 
 /// The CUDA similarity kernel.
@@ -221,6 +242,10 @@ impl CudaKernel {
         });
         match (guard.as_mut(), reuse) {
             (Some(d), Some(ranges)) => {
+                if !ranges.is_empty() {
+                    // The half-precision copy is rebuilt from the updated rows.
+                    d.f16 = None;
+                }
                 for r in ranges {
                     let (a, b) = (r.start * dim, r.end.min(rows) * dim);
                     if a < b {
@@ -259,10 +284,46 @@ impl CudaKernel {
         let d = guard
             .as_mut()
             .ok_or_else(|| unavailable("no device corpus"))?;
-        if self.precision == Precision::F16 {
+        if self.precision == Precision::F16 && d.f16.is_none() {
             d.f16 = Some(self.f16_of(&d.f32, d.rows * dim)?);
         }
         f(d)
+    }
+
+    /// Runs the top-k kernel `func` over one block's `scores` (nq rows of n),
+    /// writing nq × k results into `out_s` / `out_i`.
+    fn launch_topk<T: cudarc::driver::DeviceRepr>(
+        &self,
+        func: &CudaFunction,
+        scores: &CudaSlice<T>,
+        t: &TopkLaunch,
+        out_s: &mut CudaSlice<f32>,
+        out_i: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (t.nq as u32, 1, 1),
+            block_dim: (TOPK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ld, n_valid, offset, k) = (t.n as i32, t.n as i32, t.offset as u32, t.k as i32);
+        // SAFETY: the kernel reads nq rows of `ld` values of `scores` (which
+        // holds at least nq × n) and writes nq × k values into `out_s` and
+        // `out_i` (allocated with that size); T matches the kernel's type.
+        unsafe {
+            self.stream
+                .launch_builder(func)
+                .arg(scores)
+                .arg(&ld)
+                .arg(&n_valid)
+                .arg(&offset)
+                .arg(&k)
+                .arg(&t.min_score)
+                .arg(out_s)
+                .arg(out_i)
+                .launch(cfg)
+                .map_err(driver)?;
+        }
+        Ok(())
     }
 
     /// Device top-`kk` per query, merged over blocks, before host filtering.
@@ -287,87 +348,46 @@ impl CudaKernel {
             let mut out_i = self.stream.alloc_zeros::<u32>(nq * kk).map_err(driver)?;
             // One scores buffer for every block (the last may use less of it).
             let cap = nq * block.min(d.rows.max(1));
-            let mut scores32 = match d.f16 {
-                None => Some(self.stream.alloc_zeros::<f32>(cap).map_err(driver)?),
-                Some(_) => None,
-            };
-            let mut scores16 = match d.f16 {
-                Some(_) => Some(self.stream.alloc_zeros::<half::f16>(cap).map_err(driver)?),
-                None => None,
+            let mut scores = match (&d.f16, &q16) {
+                (Some(corpus), Some(queries)) => Scores::F16 {
+                    buf: self.stream.alloc_zeros(cap).map_err(driver)?,
+                    corpus,
+                    queries,
+                },
+                _ => Scores::F32(self.stream.alloc_zeros(cap).map_err(driver)?),
             };
             let mut start = 0;
             while start < d.rows {
                 let n = block.min(d.rows - start);
-                let cfg = scores_gemm(n, nq, dim);
-                let launch = LaunchConfig {
-                    grid_dim: (nq as u32, 1, 1),
-                    block_dim: (TOPK_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
+                let rows = start * dim..(start + n) * dim;
+                let topk = TopkLaunch {
+                    nq,
+                    n,
+                    offset: start,
+                    k: kk,
+                    min_score,
                 };
-                let (ld, nv, off, k32) = (n as i32, n as i32, start as u32, kk as i32);
-                match (&d.f16, &q16) {
-                    (Some(c16), Some(q16)) => {
-                        let scores = scores16
-                            .as_mut()
-                            .ok_or_else(|| unavailable("no f16 scores buffer"))?;
-                        let h = |x: f32| half::f16::from_f32(x);
-                        let cfg16 = GemmConfig {
-                            alpha: h(1.0),
-                            beta: h(0.0),
-                            transa: cfg.transa,
-                            transb: cfg.transb,
-                            m: cfg.m,
-                            n: cfg.n,
-                            k: cfg.k,
-                            lda: cfg.lda,
-                            ldb: cfg.ldb,
-                            ldc: cfg.ldc,
-                        };
-                        let a = c16.slice(start * dim..(start + n) * dim);
-                        // SAFETY: A is the block's n×dim rows (column-major
-                        // dim×n, lda = dim), B the nq×dim queries (dim×nq,
-                        // ldb = dim), C is n×nq (ldc = n): all in bounds.
-                        unsafe { self.blas.gemm(cfg16, &a, q16, scores) }.map_err(driver)?;
-                        // SAFETY: topk_f16 reads nq rows of `ld` halves and
-                        // writes nq×kk results into buffers of that size.
-                        unsafe {
-                            self.stream
-                                .launch_builder(&self.topk_f16)
-                                .arg(&*scores)
-                                .arg(&ld)
-                                .arg(&nv)
-                                .arg(&off)
-                                .arg(&k32)
-                                .arg(&min_score)
-                                .arg(&mut out_s)
-                                .arg(&mut out_i)
-                                .launch(launch)
-                                .map_err(driver)?;
-                        }
+                // Both GEMMs: A is the block's n×dim rows (column-major dim×n,
+                // lda = dim), B the nq×dim queries (dim×nq, ldb = dim), C is
+                // n×nq (ldc = n) in a buffer of nq × block ≥ nq × n values.
+                match &mut scores {
+                    Scores::F16 {
+                        buf,
+                        corpus,
+                        queries,
+                    } => {
+                        let cfg = scores_gemm(n, nq, dim, half::f16::ONE, half::f16::ZERO);
+                        let a = corpus.slice(rows);
+                        // SAFETY: shapes and strides in bounds, as stated above.
+                        unsafe { self.blas.gemm(cfg, &a, *queries, buf) }.map_err(driver)?;
+                        self.launch_topk(&self.topk_f16, buf, &topk, &mut out_s, &mut out_i)?;
                     }
-                    _ => {
-                        let scores = scores32
-                            .as_mut()
-                            .ok_or_else(|| unavailable("no f32 scores buffer"))?;
-                        let a = d.f32.slice(start * dim..(start + n) * dim);
-                        // SAFETY: as above, in f32.
-                        unsafe { self.blas.gemm(cfg, &a, &q32, scores) }.map_err(driver)?;
-                        // SAFETY: topk_f32 reads nq rows of `ld` floats and
-                        // writes nq×kk results into buffers of that size.
-                        unsafe {
-                            self.stream
-                                .launch_builder(&self.topk_f32)
-                                .arg(&*scores)
-                                .arg(&ld)
-                                .arg(&nv)
-                                .arg(&off)
-                                .arg(&k32)
-                                .arg(&min_score)
-                                .arg(&mut out_s)
-                                .arg(&mut out_i)
-                                .launch(launch)
-                                .map_err(driver)?;
-                        }
+                    Scores::F32(buf) => {
+                        let cfg = scores_gemm(n, nq, dim, 1.0f32, 0.0);
+                        let a = d.f32.slice(rows);
+                        // SAFETY: shapes and strides in bounds, as stated above.
+                        unsafe { self.blas.gemm(cfg, &a, &q32, buf) }.map_err(driver)?;
+                        self.launch_topk(&self.topk_f32, buf, &topk, &mut out_s, &mut out_i)?;
                     }
                 }
                 let s = self.stream.clone_dtoh(&out_s).map_err(driver)?;
@@ -413,7 +433,7 @@ impl CudaKernel {
             let mut start = 0;
             while start < d.rows {
                 let n = block.min(d.rows - start);
-                let cfg = scores_gemm(n, nq, dim);
+                let cfg = scores_gemm(n, nq, dim, 1.0f32, 0.0);
                 let a = d.f32.slice(start * dim..(start + n) * dim);
                 // SAFETY: the same shapes as in `device_top`; `scores` holds
                 // nq × block ≥ nq × n values.
