@@ -242,10 +242,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 precision,
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
-            for l in lines {
-                println!("{l}");
-            }
-            Ok(ExitCode::SUCCESS)
+            Ok(print_lines(&lines))
         }
         Cmd::Bench {
             which:
@@ -265,10 +262,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 dim,
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
-            for l in lines {
-                println!("{l}");
-            }
-            Ok(ExitCode::SUCCESS)
+            Ok(print_lines(&lines))
         }
         Cmd::Bench {
             which:
@@ -290,10 +284,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             })
             .await
             .context("bench embed")?;
-            for l in lines {
-                println!("{l}");
-            }
-            Ok(ExitCode::SUCCESS)
+            Ok(print_lines(&lines))
         }
         Cmd::Bench {
             which:
@@ -316,12 +307,17 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             })
             .await
             .context("bench ingest")?;
-            for l in lines {
-                println!("{l}");
-            }
-            Ok(ExitCode::SUCCESS)
+            Ok(print_lines(&lines))
         }
     }
+}
+
+/// Prints a benchmark's report (its last line is the `RESULT` line).
+fn print_lines(lines: &[String]) -> ExitCode {
+    for l in lines {
+        println!("{l}");
+    }
+    ExitCode::SUCCESS
 }
 
 /// SIGTERM or SIGINT: drain and stop. A second one exits at once.

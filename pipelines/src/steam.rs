@@ -34,7 +34,7 @@ use steamrf_operators::steam::relations::Link;
 use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
 use steamrf_schemas::TableBatches;
 use steamrf_schemas::memory::MemoryTable;
-use steamrf_schemas::tables::EMBEDDING_DIM;
+use steamrf_schemas::tables::{EMBEDDING_DIM, embedding_field};
 
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -88,10 +88,6 @@ impl std::fmt::Debug for SteamStage {
     }
 }
 
-fn lance(context: &str) -> impl FnOnce(lancedb::Error) -> Error + '_ {
-    move |e| Error::lance(context.to_owned())(e)
-}
-
 fn kernel_err(e: steamrf_kernels::Error) -> Error {
     Error::Internal {
         message: format!("steam: {e}"),
@@ -104,10 +100,10 @@ async fn scan(table: &Table, columns: &[&str]) -> Result<Vec<RecordBatch>> {
         .select(Select::columns(columns))
         .execute()
         .await
-        .map_err(lance("scanning"))?
+        .map_err(Error::lance("scanning"))?
         .try_collect()
         .await
-        .map_err(lance("scanning"))
+        .map_err(Error::lance("scanning"))
 }
 
 fn strings(list: &dyn Array, row: usize) -> Vec<String> {
@@ -161,7 +157,7 @@ impl SteamStage {
             .open_table("items")
             .execute()
             .await
-            .map_err(lance("opening items"))?;
+            .map_err(Error::lance("opening items"))?;
         for b in scan(&items, &["item_id", "title", "categories", "embedding"]).await? {
             stage.remember_items(&b);
         }
@@ -411,18 +407,12 @@ impl SteamStage {
             }
         }
         for p in &link.prototypes {
-            let mut facets: BTreeMap<String, u32> = BTreeMap::new();
-            let mut recent = Vec::new();
-            for m in p.members.iter().filter_map(|&id| self.state.memory(id)) {
-                for (f, n) in &m.facets {
-                    *facets.entry(f.clone()).or_default() += n;
-                }
-                recent.extend(m.recent.last().cloned());
-            }
-            recent.sort();
-            recent.dedup();
-            recent.truncate(8);
-            prompts.push((true, p.id, render(PROTOTYPE_PROMPT, &facets, &recent, "")));
+            let d = self.state.digest(&p.members, 8);
+            prompts.push((
+                true,
+                p.id,
+                render(PROTOTYPE_PROMPT, &d.facets, &d.recent, ""),
+            ));
         }
         let calls = prompts.iter().map(|(_, _, p)| llm.complete(p));
         let results = futures::future::join_all(calls).await;
@@ -539,7 +529,7 @@ impl SteamStage {
             self.links
                 .delete(&format!("from_id IN ({list})"))
                 .await
-                .map_err(lance("deleting links"))?;
+                .map_err(Error::lance("deleting links"))?;
         }
         if !link.links.is_empty() {
             let batch = links_batch(&self.state, &link.links)?;
@@ -551,7 +541,7 @@ impl SteamStage {
                     as Box<dyn arrow_array::RecordBatchReader + Send>)
                 .execute()
                 .await
-                .map_err(lance("writing links"))?;
+                .map_err(Error::lance("writing links"))?;
         }
         if !link.prototypes_removed.is_empty() {
             let list = link
@@ -563,7 +553,7 @@ impl SteamStage {
             self.prototypes
                 .delete(&format!("prototype_id IN ({list})"))
                 .await
-                .map_err(lance("deleting prototypes"))?;
+                .map_err(Error::lance("deleting prototypes"))?;
         }
         if !link.prototypes.is_empty() {
             upsert(&self.prototypes, "prototype_id", prototypes_batch(link)?).await?;
@@ -584,7 +574,7 @@ async fn upsert(table: &Table, key: &str, batch: RecordBatch) -> Result<()> {
     merge
         .execute(Box::new(RecordBatchIterator::new([Ok(batch)], schema)))
         .await
-        .map_err(lance("writing memories"))?;
+        .map_err(Error::lance(format!("writing {}", table.name())))?;
     Ok(())
 }
 
@@ -594,11 +584,10 @@ fn embedding_builder(n: usize) -> FixedSizeListBuilder<Float32Builder> {
         EMBEDDING_DIM as i32,
         n,
     )
-    .with_field(Arc::new(arrow_schema::Field::new(
-        "item",
-        arrow_schema::DataType::Float32,
-        true,
-    )))
+    .with_field(match embedding_field().data_type() {
+        arrow_schema::DataType::FixedSizeList(item, _) => item.clone(),
+        other => unreachable!("the embedding column is a FixedSizeList, not {other}"),
+    })
 }
 
 fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {

@@ -127,15 +127,12 @@ pub fn memory_id(user_id: &str, event_id: &str) -> MemoryId {
     h >> 1
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-fn normalized(mut v: Vec<f32>) -> Vec<f32> {
-    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
-    for x in &mut v {
-        *x /= n;
-    }
+pub(crate) fn normalized(mut v: Vec<f32>) -> Vec<f32> {
+    crate::embed::normalize(&mut v);
     v
 }
 

@@ -69,6 +69,19 @@ pub struct Prototype {
     pub users: usize,
 }
 
+/// See [`SteamState::digest`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Digest {
+    /// Facet counts over the members.
+    pub facets: BTreeMap<String, u32>,
+    /// The members' latest titles or snippets.
+    pub recent: Vec<String>,
+    /// Distinct users among the members.
+    pub users: usize,
+    /// Sum of the members' embeddings.
+    pub sum: Vec<f32>,
+}
+
 /// What [`SteamState::observe`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ObserveOutcome {
@@ -173,13 +186,13 @@ impl SteamState {
         if id == memory::profile_memory_id(user_id) {
             return Ok(());
         }
+        // `users` and `index` are disjoint fields: no copy of the embedding.
         let emb = self
             .users
             .get(user_id)
             .and_then(|u| u.memories.iter().find(|m| m.id == id))
-            .map(|m| m.embedding.clone())
-            .unwrap_or_default();
-        self.index.upsert(id, user_id, &emb)
+            .map_or(&[][..], |m| m.embedding.as_slice());
+        self.index.upsert(id, user_id, emb)
     }
 
     /// t = 0: a user's memory from their profile; `None` when the profile is
@@ -376,20 +389,7 @@ impl SteamState {
     /// Replaces a memory's content (an LLM's summary instead of the
     /// deterministic one); false if there is no such memory.
     pub fn set_memory_content(&mut self, id: MemoryId, content: String) -> bool {
-        let Some(user) = self.owner.get(&id) else {
-            return false;
-        };
-        match self
-            .users
-            .get_mut(user)
-            .and_then(|u| u.memories.iter_mut().find(|m| m.id == id))
-        {
-            Some(m) => {
-                m.content = content;
-                true
-            }
-            None => false,
-        }
+        self.memory_mut(id).map(|m| m.content = content).is_some()
     }
 
     /// Replaces a published prototype's content; false if there is none.
@@ -459,6 +459,42 @@ impl SteamState {
         out
     }
 
+    fn memory_mut(&mut self, id: MemoryId) -> Option<&mut Memory> {
+        let user = self.owner.get(&id)?;
+        self.users
+            .get_mut(user)?
+            .memories
+            .iter_mut()
+            .find(|m| m.id == id)
+    }
+
+    /// What a set of memories says together: facet counts summed, each
+    /// memory's latest title or snippet (sorted, distinct, at most
+    /// `max_recent`), the distinct users, and the sum of the embeddings.
+    /// Prototypes are built from it, and so are their LLM prompts.
+    pub fn digest(&self, members: &[MemoryId], max_recent: usize) -> Digest {
+        let mut users = BTreeSet::new();
+        let mut d = Digest::default();
+        for m in members.iter().filter_map(|&id| self.memory(id)) {
+            users.insert(m.user_id.as_str());
+            for (f, n) in &m.facets {
+                *d.facets.entry(f.clone()).or_default() += n;
+            }
+            d.recent.extend(m.recent.last().cloned());
+            if d.sum.is_empty() {
+                d.sum = vec![0.0; m.embedding.len()];
+            }
+            for (s, v) in d.sum.iter_mut().zip(&m.embedding) {
+                *s += v;
+            }
+        }
+        d.recent.sort();
+        d.recent.dedup();
+        d.recent.truncate(max_recent);
+        d.users = users.len();
+        d
+    }
+
     /// Rebuilds the prototypes of changed communities, withdraws removed
     /// ones, and updates members' community links (L).
     fn refresh_prototypes(&mut self, out: &mut LinkOutcome) {
@@ -473,52 +509,24 @@ impl SteamState {
                 continue;
             };
             let members: Vec<MemoryId> = members.iter().copied().collect();
-            let mut users = BTreeSet::new();
-            let mut facets: BTreeMap<String, u32> = BTreeMap::new();
-            let mut recent = Vec::new();
-            let mut sum: Vec<f32> = Vec::new();
             for &m in &members {
-                let Some(user) = self.owner.get(&m).cloned() else {
-                    continue;
-                };
-                let Some(mem) = self
-                    .users
-                    .get_mut(&user)
-                    .and_then(|u| u.memories.iter_mut().find(|x| x.id == m))
-                else {
-                    continue;
-                };
-                mem.community = Some(c);
-                users.insert(user);
-                for (f, n) in &mem.facets {
-                    *facets.entry(f.clone()).or_default() += n;
-                }
-                if let Some(r) = mem.recent.last() {
-                    recent.push(r.clone());
-                }
-                if sum.is_empty() {
-                    sum = vec![0.0; mem.embedding.len()];
-                }
-                for (s, v) in sum.iter_mut().zip(&mem.embedding) {
-                    *s += v;
+                if let Some(mem) = self.memory_mut(m) {
+                    mem.community = Some(c);
                 }
             }
-            if users.len() < self.params.min_users {
+            let digest = self.digest(&members, memory::RECENT);
+            if digest.users < self.params.min_users {
                 if self.prototypes.remove(&c).is_some() {
                     out.prototypes_removed.push(c);
                 }
                 continue;
             }
-            recent.sort();
-            recent.dedup();
-            recent.truncate(memory::RECENT);
-            let norm = sum.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
             let p = Prototype {
                 id: c,
-                content: summarise(&facets, &recent),
-                embedding: sum.iter().map(|x| x / norm).collect(),
+                content: summarise(&digest.facets, &digest.recent),
+                embedding: memory::normalized(digest.sum),
                 members,
-                users: users.len(),
+                users: digest.users,
             };
             self.prototypes.insert(c, p.clone());
             out.prototypes.push(p);

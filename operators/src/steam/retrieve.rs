@@ -23,6 +23,7 @@
 
 use std::collections::BTreeMap;
 
+use super::memory::dot;
 use super::{MemoryId, SteamState};
 
 /// Retrieval and ranking parameters.
@@ -90,10 +91,6 @@ pub struct Ranked {
     pub seen: f32,
     /// The user's memory that matched best.
     pub memory_id: Option<MemoryId>,
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 impl SteamState {
