@@ -520,46 +520,40 @@ impl SteamStage {
         let batch = memories_batch(&mems)?;
         upsert(&self.memories, "memory_id", batch).await?;
         // Links: replace the re-linked memories' links.
-        if !changed.is_empty() {
-            let list = changed
-                .iter()
-                .map(|id| id.to_string())
-                .collect::<Vec<_>>()
-                .join(",");
-            self.links
-                .delete(&format!("from_id IN ({list})"))
-                .await
-                .map_err(Error::lance("deleting links"))?;
-        }
+        delete_ids(&self.links, "from_id", changed).await?;
         if !link.links.is_empty() {
             let batch = links_batch(&self.state, &link.links)?;
+            let schema = batch.schema();
             self.links
-                .add(Box::new(RecordBatchIterator::new(
-                    [Ok(batch.clone())],
-                    batch.schema(),
-                ))
+                .add(Box::new(RecordBatchIterator::new([Ok(batch)], schema))
                     as Box<dyn arrow_array::RecordBatchReader + Send>)
                 .execute()
                 .await
                 .map_err(Error::lance("writing links"))?;
         }
-        if !link.prototypes_removed.is_empty() {
-            let list = link
-                .prototypes_removed
-                .iter()
-                .map(|id| id.to_string())
-                .collect::<Vec<_>>()
-                .join(",");
-            self.prototypes
-                .delete(&format!("prototype_id IN ({list})"))
-                .await
-                .map_err(Error::lance("deleting prototypes"))?;
-        }
+        delete_ids(&self.prototypes, "prototype_id", &link.prototypes_removed).await?;
         if !link.prototypes.is_empty() {
             upsert(&self.prototypes, "prototype_id", prototypes_batch(link)?).await?;
         }
         Ok(())
     }
+}
+
+/// Deletes the rows whose `column` is one of `ids` (nothing when empty).
+async fn delete_ids(table: &Table, column: &str, ids: &[MemoryId]) -> Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let list = ids
+        .iter()
+        .map(|id| id.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    table
+        .delete(&format!("{column} IN ({list})"))
+        .await
+        .map_err(Error::lance(format!("deleting from {}", table.name())))?;
+    Ok(())
 }
 
 async fn upsert(table: &Table, key: &str, batch: RecordBatch) -> Result<()> {
