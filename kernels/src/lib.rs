@@ -19,6 +19,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod ivf;
 pub mod nn;
 pub mod reference;
 mod topk;

@@ -5,6 +5,8 @@
 //! - [`steam`]: the STEAM write path (memory formation and consolidation,
 //!   relation extraction, incremental communities, prototypes) as batch
 //!   operators over in-memory state.
+//! - [`rfmem`]: the RF-Mem read path (familiarity probe, gate, top-k or
+//!   recollection) over one user's vectors.
 //!
 //! It holds the micro-batching policy shared by every stage
 //! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
@@ -19,4 +21,5 @@ pub mod batch;
 pub mod embed;
 mod http;
 pub mod llm;
+pub mod rfmem;
 pub mod steam;
