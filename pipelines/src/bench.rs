@@ -22,6 +22,9 @@ use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::pipeline::{self, RunOptions};
 
+mod retrieve;
+pub use retrieve::{RetrieveBench, retrieve};
+
 /// Events per second, two ways.
 #[derive(Debug, Clone, Copy)]
 struct Rates {

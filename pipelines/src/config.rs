@@ -40,6 +40,69 @@ pub struct Config {
     pub embed: EmbedConfig,
     /// The STEAM write path.
     pub steam: SteamConfig,
+    /// How user ids map to tenants.
+    pub tenancy: TenancyConfig,
+    /// The retrieval service (`steamrf serve`).
+    pub serve: ServeConfig,
+}
+
+/// `[tenancy]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenancyConfig {
+    /// A user's tenant is the part of its id before this (one character);
+    /// empty: one tenant.
+    pub separator: String,
+}
+
+impl TenancyConfig {
+    /// The separator, if any.
+    pub fn separator(&self) -> Option<char> {
+        self.separator.chars().next()
+    }
+}
+
+/// What a user's retrieval corpus holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CorpusKind {
+    /// Atomic memories (the `memories` table).
+    Memory,
+    /// Dialogue turns, or whole sessions with `group_sessions`.
+    Dialogue,
+    /// Clicks and purchases, as their item's embedding.
+    Interaction,
+}
+
+/// `[serve]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// HTTP address of the API (and its /metrics).
+    pub listen: String,
+    /// How often the tables are checked for new versions.
+    #[serde(with = "humantime_serde_compat")]
+    pub refresh_interval: Duration,
+    /// What a user's corpus holds.
+    pub kinds: Vec<CorpusKind>,
+    /// One row per dialogue session instead of per turn.
+    pub group_sessions: bool,
+    /// Users with at least this many rows are searched through an IVF index.
+    pub ivf_min_rows: usize,
+    /// IVF lists scanned per query.
+    pub ivf_probes: usize,
+    /// Threads per exact search.
+    pub search_threads: usize,
+    /// Follow the user's memories to published prototypes.
+    pub collaborative: bool,
+    /// Collaborative memories considered per request.
+    pub collaborative_k: usize,
+    /// API tokens file (empty: no authentication).
+    pub tokens_file: String,
+    /// Largest request body.
+    pub max_request_bytes: ByteSize,
+    /// RF-Mem parameters (each overridable per request in `options`).
+    pub rfmem: steamrf_operators::rfmem::RfMemParams,
 }
 
 /// `[steam]`
@@ -166,6 +229,7 @@ impl SteamConfig {
             k1: self.k1,
             link_tau: self.link_tau,
             min_users: self.min_users,
+            tenant_separator: None,
         }
     }
 }
@@ -572,9 +636,13 @@ fn layered(
 fn typed(table: Table) -> Result<Config, Vec<String>> {
     let mut problems = Vec::new();
     for k in table.keys() {
-        if !["kafka", "batch", "lancedb", "embed", "steam"].contains(&k.as_str()) {
+        if ![
+            "kafka", "batch", "lancedb", "embed", "steam", "tenancy", "serve",
+        ]
+        .contains(&k.as_str())
+        {
             problems.push(format!(
-                "unknown section `{k}` (expected kafka, batch, lancedb, embed, steam)"
+                "unknown section `{k}` (expected kafka, batch, lancedb, embed, steam, tenancy, serve)"
             ));
         }
     }
@@ -600,18 +668,26 @@ fn typed(table: Table) -> Result<Config, Vec<String>> {
     let lancedb = section::<LanceDbConfig>(&table, "lancedb", &mut problems);
     let embed = section::<EmbedConfig>(&table, "embed", &mut problems);
     let steam = section::<SteamConfig>(&table, "steam", &mut problems);
-    match (kafka, batch, lancedb, embed, steam) {
-        (Some(kafka), Some(batch), Some(lancedb), Some(embed), Some(steam))
-            if problems.is_empty() =>
-        {
-            Ok(Config {
-                kafka,
-                batch,
-                lancedb,
-                embed,
-                steam,
-            })
-        }
+    let tenancy = section::<TenancyConfig>(&table, "tenancy", &mut problems);
+    let serve = section::<ServeConfig>(&table, "serve", &mut problems);
+    match (kafka, batch, lancedb, embed, steam, tenancy, serve) {
+        (
+            Some(kafka),
+            Some(batch),
+            Some(lancedb),
+            Some(embed),
+            Some(steam),
+            Some(tenancy),
+            Some(serve),
+        ) if problems.is_empty() => Ok(Config {
+            kafka,
+            batch,
+            lancedb,
+            embed,
+            steam,
+            tenancy,
+            serve,
+        }),
         _ => Err(problems),
     }
 }
@@ -771,7 +847,45 @@ impl Config {
             }
             EmbedEngine::Off => {}
         }
+        if self.tenancy.separator.chars().count() > 1 {
+            p.push(format!(
+                "tenancy.separator: must be one character or empty, got {:?}",
+                self.tenancy.separator
+            ));
+        }
+        let v = &self.serve;
+        if v.listen.parse::<std::net::SocketAddr>().is_err() {
+            p.push(format!(
+                "serve.listen: {:?} is not an address like 127.0.0.1:8090",
+                v.listen
+            ));
+        }
+        if v.refresh_interval.is_zero() {
+            p.push("serve.refresh_interval: must be > 0".to_owned());
+        }
+        if v.kinds.is_empty() {
+            p.push(
+                "serve.kinds: must name at least one of memory, dialogue, interaction".to_owned(),
+            );
+        }
+        if v.search_threads == 0 || v.ivf_probes == 0 {
+            p.push("serve.search_threads and serve.ivf_probes: must be > 0".to_owned());
+        }
+        if let Err(e) = v.rfmem.validate() {
+            p.push(format!(
+                "serve.rfmem.{}",
+                e.to_string().trim_start_matches("options.")
+            ));
+        }
         p
+    }
+
+    /// The STEAM operators' parameters, tenancy included.
+    pub fn steam_params(&self) -> steamrf_operators::steam::SteamParams {
+        steamrf_operators::steam::SteamParams {
+            tenant_separator: self.tenancy.separator(),
+            ..self.steam.params()
+        }
     }
 }
 

@@ -13,6 +13,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod pipeline;
+pub mod serve;
 pub mod sink;
 pub mod source;
 pub mod sql;

@@ -45,6 +45,15 @@ enum Cmd {
         #[arg(long, value_parser = humantime::parse_duration)]
         exit_when_idle: Option<Duration>,
     },
+    /// Serve the retrieval API (RF-Mem + STEAM's local-to-global step) over the tables until SIGTERM.
+    Serve {
+        /// Configuration (TOML): lancedb, embed, tenancy and serve sections.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+        /// Listen here instead of serve.listen.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
     /// Check a configuration file (with defaults and environment applied) and report every problem.
     Validate {
         /// The file to check.
@@ -67,6 +76,30 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// RF-Mem retrieval latency (p50/p99 per path) for one user with N memories, exact vs IVF vs LanceDB.
+    Retrieve {
+        /// Memories of the user.
+        #[arg(long, default_value_t = 10_000)]
+        memories: usize,
+        /// Queries per path and store.
+        #[arg(long, default_value_t = 400)]
+        queries: usize,
+        /// Topics the memories cluster around (0: memories / 100).
+        #[arg(long, default_value_t = 0)]
+        topics: usize,
+        /// IVF lists scanned per query.
+        #[arg(long, default_value_t = 24)]
+        probes: usize,
+        /// The service's switch to IVF (serve.ivf_min_rows).
+        #[arg(long, default_value_t = 100_000)]
+        ivf_min_rows: usize,
+        /// Skip LanceDB's vector search.
+        #[arg(long)]
+        no_lancedb: bool,
+        /// Build LanceDB's IVF_PQ index from this many rows.
+        #[arg(long, default_value_t = 100_000)]
+        lancedb_index_rows: usize,
+    },
     /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
     Similarity {
         /// Queries per call.
@@ -198,6 +231,40 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             signals.abort();
             result?;
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Serve { config, listen } => {
+            let config = Config::load(config.as_deref())?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let signals = tokio::spawn(wait_for_signals(stop.clone()));
+            let result = steamrf_pipelines::serve::run(config, listen, stop).await;
+            signals.abort();
+            result?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Retrieve {
+                    memories,
+                    queries,
+                    topics,
+                    probes,
+                    ivf_min_rows,
+                    no_lancedb,
+                    lancedb_index_rows,
+                },
+        } => {
+            let lines = bench::retrieve(bench::RetrieveBench {
+                memories,
+                queries,
+                topics,
+                probes,
+                ivf_min_rows,
+                lancedb: !no_lancedb,
+                lancedb_index_rows,
+            })
+            .await
+            .context("bench retrieve")?;
+            Ok(print_lines(&lines))
         }
         Cmd::Validate { config } => match Config::load(Some(&config)) {
             Ok(c) => {

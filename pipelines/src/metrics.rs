@@ -96,25 +96,25 @@ pub struct Metrics {
     pub kernel_backend: IntGaugeVec,
 }
 
-fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+pub(crate) fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
     c
 }
 
-fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+pub(crate) fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
     c
 }
 
-fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+pub(crate) fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(g.clone())).expect("unique metric");
     g
 }
 
-fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+pub(crate) fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
     let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
         .expect("valid metric");
     r.register(Box::new(h.clone())).expect("unique metric");

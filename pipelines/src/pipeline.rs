@@ -117,7 +117,7 @@ async fn run_inner(
         Some(
             SteamStage::open(
                 &db,
-                config.steam.params(),
+                config.steam_params(),
                 kernel,
                 embedder,
                 llm,

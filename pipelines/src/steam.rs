@@ -152,7 +152,7 @@ impl SteamStage {
             llm_tokens_seen: (0, 0),
             metrics,
         };
-        stage.restore().await?;
+        stage.state = load_state(&stage.memories, &stage.links, params).await?;
         let items = db
             .open_table("items")
             .execute()
@@ -169,74 +169,6 @@ impl SteamStage {
             "STEAM state restored."
         );
         Ok(stage)
-    }
-
-    async fn restore(&mut self) -> Result<()> {
-        for b in scan(
-            &self.memories,
-            &[
-                "memory_id",
-                "user_id",
-                "content",
-                "embedding",
-                "interaction_ids",
-                "item_ids",
-                "community_id",
-                "created_at",
-                "updated_at",
-                "version",
-                "facets",
-                "recent",
-            ],
-        )
-        .await?
-        {
-            let id = b.column(0).as_primitive::<Int64Type>();
-            let user = b.column(1).as_string::<i32>();
-            let content = b.column(2).as_string::<i32>();
-            let created = b.column(7).as_primitive::<TimestampMillisecondType>();
-            let updated = b.column(8).as_primitive::<TimestampMillisecondType>();
-            let version = b.column(9).as_primitive::<Int64Type>();
-            let facets = b.column(10).as_string::<i32>();
-            for r in 0..b.num_rows() {
-                let Some(embedding) = vector(b.column(3), r) else {
-                    continue;
-                };
-                let m = Memory {
-                    id: id.value(r) as u64,
-                    user_id: user.value(r).to_owned(),
-                    content: content.value(r).to_owned(),
-                    embedding,
-                    interactions: strings(b.column(4), r),
-                    items: strings(b.column(5), r),
-                    community: None,
-                    created_ms: created.value(r),
-                    updated_ms: updated.value(r),
-                    version: version.value(r) as u64,
-                    facets: serde_json::from_str(facets.value(r)).unwrap_or_default(),
-                    recent: strings(b.column(11), r),
-                };
-                self.state.restore_memory(m).map_err(kernel_err)?;
-            }
-        }
-        let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
-        for b in scan(&self.links, &["from_id", "to_id", "score"]).await? {
-            let from = b.column(0).as_primitive::<Int64Type>();
-            let to = b.column(1).as_primitive::<Int64Type>();
-            let score = b.column(2).as_primitive::<Float32Type>();
-            for r in 0..b.num_rows() {
-                by_from.entry(from.value(r) as u64).or_default().push(Link {
-                    from: from.value(r) as u64,
-                    to: to.value(r) as u64,
-                    score: score.value(r),
-                });
-            }
-        }
-        for (from, links) in by_from {
-            self.state.restore_links(from, links);
-        }
-        self.state.rebuild();
-        Ok(())
     }
 
     fn remember_items(&mut self, b: &RecordBatch) {
@@ -540,6 +472,86 @@ impl SteamStage {
 }
 
 /// Deletes the rows whose `column` is one of `ids` (nothing when empty).
+/// Rebuilds a [`SteamState`] from the `memories` and `memory_links` tables
+/// (communities and deterministic prototypes recomputed). The pipeline
+/// restores its state with it on start, and the retrieval service reads the
+/// tables with it.
+///
+/// # Errors
+/// LanceDB failures.
+pub async fn load_state(
+    memories: &Table,
+    links: &Table,
+    params: SteamParams,
+) -> Result<SteamState> {
+    let mut state = SteamState::new(params, EMBEDDING_DIM);
+    for b in scan(
+        memories,
+        &[
+            "memory_id",
+            "user_id",
+            "content",
+            "embedding",
+            "interaction_ids",
+            "item_ids",
+            "community_id",
+            "created_at",
+            "updated_at",
+            "version",
+            "facets",
+            "recent",
+        ],
+    )
+    .await?
+    {
+        let id = b.column(0).as_primitive::<Int64Type>();
+        let user = b.column(1).as_string::<i32>();
+        let content = b.column(2).as_string::<i32>();
+        let created = b.column(7).as_primitive::<TimestampMillisecondType>();
+        let updated = b.column(8).as_primitive::<TimestampMillisecondType>();
+        let version = b.column(9).as_primitive::<Int64Type>();
+        let facets = b.column(10).as_string::<i32>();
+        for r in 0..b.num_rows() {
+            let Some(embedding) = vector(b.column(3), r) else {
+                continue;
+            };
+            let m = Memory {
+                id: id.value(r) as u64,
+                user_id: user.value(r).to_owned(),
+                content: content.value(r).to_owned(),
+                embedding,
+                interactions: strings(b.column(4), r),
+                items: strings(b.column(5), r),
+                community: None,
+                created_ms: created.value(r),
+                updated_ms: updated.value(r),
+                version: version.value(r) as u64,
+                facets: serde_json::from_str(facets.value(r)).unwrap_or_default(),
+                recent: strings(b.column(11), r),
+            };
+            state.restore_memory(m).map_err(kernel_err)?;
+        }
+    }
+    let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
+    for b in scan(links, &["from_id", "to_id", "score"]).await? {
+        let from = b.column(0).as_primitive::<Int64Type>();
+        let to = b.column(1).as_primitive::<Int64Type>();
+        let score = b.column(2).as_primitive::<Float32Type>();
+        for r in 0..b.num_rows() {
+            by_from.entry(from.value(r) as u64).or_default().push(Link {
+                from: from.value(r) as u64,
+                to: to.value(r) as u64,
+                score: score.value(r),
+            });
+        }
+    }
+    for (from, links) in by_from {
+        state.restore_links(from, links);
+    }
+    state.rebuild();
+    Ok(state)
+}
+
 async fn delete_ids(table: &Table, column: &str, ids: &[MemoryId]) -> Result<()> {
     if ids.is_empty() {
         return Ok(());

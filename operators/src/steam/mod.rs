@@ -41,6 +41,10 @@ pub struct SteamParams {
     /// A prototype is published only when its community spans at least this
     /// many distinct users (a privacy floor beyond the paper).
     pub min_users: usize,
+    /// Tenants: the part of a user id before this character
+    /// ([`relations::tenant_of`]); memories of different tenants are never
+    /// linked, so communities and prototypes stay within one. `None`: one tenant.
+    pub tenant_separator: Option<char>,
 }
 
 impl Default for SteamParams {
@@ -50,6 +54,7 @@ impl Default for SteamParams {
             k1: 2,
             link_tau: 0.5,
             min_users: 3,
+            tenant_separator: None,
         }
     }
 }
@@ -129,7 +134,7 @@ impl SteamState {
             params,
             users: BTreeMap::new(),
             owner: HashMap::new(),
-            index: MemoryIndex::new(dim),
+            index: MemoryIndex::new(dim).with_tenant_separator(params.tenant_separator),
             communities: Communities::new(),
             out_links: HashMap::new(),
             prototypes: HashMap::new(),
@@ -144,6 +149,11 @@ impl SteamState {
     /// A user's memories.
     pub fn user(&self, user_id: &str) -> Option<&UserMemories> {
         self.users.get(user_id)
+    }
+
+    /// Every user with memories, in id order.
+    pub fn user_ids(&self) -> impl Iterator<Item = &str> {
+        self.users.keys().map(String::as_str)
     }
 
     /// A memory by id.

@@ -22,6 +22,20 @@ pub struct MemoryIndex {
     row_of: HashMap<MemoryId, usize>,
     free: Vec<usize>,
     user_ids: HashMap<String, u32>,
+    /// Tenant of each owner (indexed by owner id).
+    owner_tenant: Vec<u32>,
+    tenant_ids: HashMap<String, u32>,
+    tenant_separator: Option<char>,
+}
+
+/// The tenant of `user_id`: the part before the first `separator`, or
+/// `"default"` (no separator configured, or none in the id). Links,
+/// communities and prototypes never cross tenants, and the retrieval service
+/// scopes API tokens to tenants.
+pub fn tenant_of(user_id: &str, separator: Option<char>) -> &str {
+    separator
+        .and_then(|c| user_id.split_once(c))
+        .map_or("default", |(t, _)| t)
 }
 
 /// One link found: `from` → `to` with cosine `score`.
@@ -46,7 +60,16 @@ impl MemoryIndex {
             row_of: HashMap::new(),
             free: Vec::new(),
             user_ids: HashMap::new(),
+            owner_tenant: Vec::new(),
+            tenant_ids: HashMap::new(),
+            tenant_separator: None,
         }
+    }
+
+    /// Users whose ids differ in tenant ([`tenant_of`]) are never linked.
+    pub fn with_tenant_separator(mut self, separator: Option<char>) -> Self {
+        self.tenant_separator = separator;
+        self
     }
 
     /// Live memories.
@@ -69,8 +92,18 @@ impl MemoryIndex {
         user: &str,
         embedding: &[f32],
     ) -> steamrf_kernels::Result<()> {
-        let next = self.user_ids.len() as u32;
-        let owner = *self.user_ids.entry(user.to_owned()).or_insert(next);
+        let owner = match self.user_ids.get(user) {
+            Some(&o) => o,
+            None => {
+                let o = self.user_ids.len() as u32;
+                self.user_ids.insert(user.to_owned(), o);
+                let tenant = tenant_of(user, self.tenant_separator);
+                let next = self.tenant_ids.len() as u32;
+                let t = *self.tenant_ids.entry(tenant.to_owned()).or_insert(next);
+                self.owner_tenant.push(t);
+                o
+            }
+        };
         if let Some(&row) = self.row_of.get(&id) {
             self.corpus.set_row(row, embedding)?;
             self.owners[row] = owner;
@@ -131,7 +164,12 @@ impl MemoryIndex {
         for &r in &rows {
             queries.extend_from_slice(self.corpus.row(r));
         }
-        let exclude = |q: usize, c: usize| !self.live[c] || self.owners[c] == self.owners[rows[q]];
+        let exclude = |q: usize, c: usize| {
+            let (a, b) = (self.owners[c], self.owners[rows[q]]);
+            !self.live[c]
+                || a == b
+                || self.owner_tenant[a as usize] != self.owner_tenant[b as usize]
+        };
         let params = SearchParams {
             k: k1,
             min_score: tau,
@@ -156,6 +194,19 @@ impl MemoryIndex {
 mod tests {
     use super::*;
     use steamrf_kernels::cpu::CpuKernel;
+
+    #[test]
+    fn links_never_cross_tenants() {
+        let mut idx = MemoryIndex::new(2).with_tenant_separator(Some(':'));
+        idx.upsert(1, "acme:alice", &[1.0, 0.0]).unwrap();
+        idx.upsert(2, "globex:bob", &[1.0, 0.0]).unwrap();
+        idx.upsert(3, "acme:carol", &[0.9, 0.1]).unwrap();
+        let links = idx.extract(&CpuKernel::default(), &[1], 5, 0.0).unwrap();
+        assert_eq!(links.iter().map(|l| l.to).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(tenant_of("acme:alice", Some(':')), "acme");
+        assert_eq!(tenant_of("alice", Some(':')), "default");
+        assert_eq!(tenant_of("acme:alice", None), "default");
+    }
 
     #[test]
     fn links_go_to_other_users_above_tau_only() {

@@ -1,0 +1,352 @@
+//! `steamrf bench retrieve`: RF-Mem latency for one user with N memories,
+//! per path and per store, excluding the query embedding.
+//!
+//! Memories are clustered synthetic unit vectors (see `Synth`). Half the
+//! queries are near a memory (familiar), half are a mix of two topics
+//! (unfamiliar), so the adaptive gate takes both paths. Stores measured in
+//! the same run:
+//! - `exact`: the flat scan the service uses below `serve.ivf_min_rows`
+//!   (one thread per request, as served);
+//! - `ivf`: the in-memory IVF the service uses above it (its recall@k
+//!   against exact is printed);
+//! - `lancedb`: the same vectors in a LanceDB table, top-k through its
+//!   vector search (an IVF_PQ index above `--lancedb-index-rows`), the
+//!   familiarity path only: recollection issues dozens of searches per
+//!   query and is served from memory.
+//!
+//! The RESULT line reports the adaptive (RF-Mem) path on the store the
+//! service would choose for N.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow_array::builder::{FixedSizeListBuilder, Float32Builder, StringBuilder};
+use arrow_array::{RecordBatch, RecordBatchIterator};
+use arrow_schema::{DataType, Field, Schema};
+use futures::TryStreamExt;
+use lancedb::query::{ExecutableQuery, QueryBase};
+use steamrf_kernels::Corpus;
+use steamrf_kernels::cpu::CpuKernel;
+use steamrf_kernels::ivf::IvfParams;
+use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
+
+use super::{Synth, peak_rss_bytes};
+use crate::error::{Error, Result};
+
+/// Options of `steamrf bench retrieve`.
+#[derive(Debug, Clone)]
+pub struct RetrieveBench {
+    /// Memories of the one user.
+    pub memories: usize,
+    /// Queries per measurement.
+    pub queries: usize,
+    /// Topics the memories are drawn around (0: memories / 100, at least 10).
+    pub topics: usize,
+    /// IVF lists scanned per query.
+    pub probes: usize,
+    /// The service's switch to IVF (serve.ivf_min_rows).
+    pub ivf_min_rows: usize,
+    /// Also measure LanceDB's vector search.
+    pub lancedb: bool,
+    /// Build an IVF_PQ index in LanceDB from this many rows.
+    pub lancedb_index_rows: usize,
+}
+
+fn internal(e: impl std::fmt::Display) -> Error {
+    Error::Internal {
+        message: e.to_string(),
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+struct Stats {
+    p50: f64,
+    p99: f64,
+    mean_rounds: f64,
+    recollected: usize,
+    n: usize,
+}
+
+fn measure(store: &VectorStore, queries: &[Vec<f32>], p: &RfMemParams) -> Result<Stats> {
+    // Warm-up: the first queries fault pages in.
+    for q in queries.iter().take(5) {
+        rfmem::retrieve(store, q, p).map_err(internal)?;
+    }
+    let mut ms = Vec::with_capacity(queries.len());
+    let mut rounds = 0u64;
+    let mut recollected = 0;
+    for q in queries {
+        let t = Instant::now();
+        let a = rfmem::retrieve(store, q, p).map_err(internal)?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        if a.path == rfmem::Path::Recollection {
+            recollected += 1;
+            rounds += u64::from(a.rounds);
+        }
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(Stats {
+        p50: percentile(&ms, 0.5),
+        p99: percentile(&ms, 0.99),
+        mean_rounds: rounds as f64 / recollected.max(1) as f64,
+        recollected,
+        n: queries.len(),
+    })
+}
+
+fn line(out: &mut Vec<String>, store: &str, path: &str, s: &Stats) {
+    out.push(format!(
+        "  {store:<8} {path:<13} p50 {:>8.3} ms  p99 {:>8.3} ms  p99/p50 {:>5.2}  ({} of {} recollected, {:.1} rounds)",
+        s.p50,
+        s.p99,
+        s.p99 / s.p50.max(1e-9),
+        s.recollected,
+        s.n,
+        s.mean_rounds
+    ));
+}
+
+/// Runs the benchmark.
+///
+/// # Errors
+/// Kernel or LanceDB failures.
+pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
+    let dim = steamrf_schemas::tables::EMBEDDING_DIM;
+    let n = b.memories.max(1);
+    let topics = if b.topics == 0 {
+        (n / 100).max(10)
+    } else {
+        b.topics
+    };
+    let mut out = vec![format!(
+        "bench retrieve: one user, {n} memories ({topics} topics), {dim}-d, {} queries per path",
+        b.queries
+    )];
+    let started = Instant::now();
+    let (rows, queries) = tokio::task::spawn_blocking(move || {
+        let mut synth = Synth::new(topics, dim);
+        let mut rows = Vec::with_capacity(n * dim);
+        for i in 0..n {
+            rows.extend(synth.memory(i % topics));
+        }
+        let mut queries = Vec::with_capacity(b.queries);
+        for i in 0..b.queries {
+            let t = (i * 7919) % topics;
+            if i % 2 == 0 {
+                queries.push(synth.memory(t));
+            } else {
+                // Between two topics: an unfamiliar query.
+                let a = synth.memory(t);
+                let c = synth.memory((t + 1) % topics);
+                queries.push(a.iter().zip(&c).map(|(x, y)| x + y).collect());
+            }
+        }
+        (rows, queries)
+    })
+    .await
+    .map_err(internal)?;
+    out.push(format!(
+        "  generated in {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
+    let served_kernel = CpuKernel {
+        threads: 1,
+        ..CpuKernel::default()
+    };
+    let exact = VectorStore::flat(
+        Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
+        served_kernel,
+    );
+    let t = Instant::now();
+    let ivf = VectorStore::ivf(
+        Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
+        &IvfParams {
+            probes: b.probes,
+            ..IvfParams::default()
+        },
+        CpuKernel::default(),
+    )
+    .map_err(internal)?;
+    out.push(format!(
+        "  IVF built in {:.1} s ({} probes)",
+        t.elapsed().as_secs_f64(),
+        b.probes
+    ));
+    let base = RfMemParams::default();
+    let modes = [
+        ("familiarity", Mode::Familiarity),
+        ("recollection", Mode::Recollection),
+        ("rf-mem", Mode::Adaptive),
+    ];
+    let mut adaptive = Vec::new();
+    for (name, store) in [("exact", &exact), ("ivf", &ivf)] {
+        for (path, mode) in modes {
+            let p = RfMemParams { mode, ..base };
+            let s = measure(store, &queries, &p)?;
+            line(&mut out, name, path, &s);
+            if mode == Mode::Adaptive {
+                adaptive.push((name, s));
+            }
+        }
+    }
+    // Recall@k of the IVF against the exact scan.
+    let k = base.k;
+    let mut hit = 0usize;
+    for q in &queries {
+        let e = exact
+            .search(q, k, f32::NEG_INFINITY)
+            .map_err(internal)?
+            .remove(0);
+        let a = ivf
+            .search(q, k, f32::NEG_INFINITY)
+            .map_err(internal)?
+            .remove(0);
+        hit += a
+            .iter()
+            .filter(|h| e.iter().any(|x| x.index == h.index))
+            .count();
+    }
+    let recall = hit as f64 / (queries.len() * k) as f64;
+    out.push(format!("  ivf recall@{k} vs exact: {recall:.3}"));
+    let mut lance_p50 = f64::NAN;
+    if b.lancedb {
+        let (p50, p99, note) = lancedb_topk(&rows, dim, &queries, k, b.lancedb_index_rows).await?;
+        out.push(format!(
+            "  lancedb  familiarity   p50 {p50:>8.3} ms  p99 {p99:>8.3} ms  ({note})"
+        ));
+        lance_p50 = p50;
+    }
+    out.push(format!(
+        "  peak RSS {:.2} GiB",
+        peak_rss_bytes() as f64 / (1u64 << 30) as f64
+    ));
+    let served = if n >= b.ivf_min_rows { "ivf" } else { "exact" };
+    let s = &adaptive
+        .iter()
+        .find(|(name, _)| *name == served)
+        .ok_or_else(|| internal("no adaptive measurement"))?
+        .1;
+    out.push(format!(
+        "RESULT memories={n} store={served} p50_ms={:.4} p99_ms={:.4} p99_over_p50={:.2} ivf_recall_at_{k}={recall:.3} lancedb_topk_p50_ms={lance_p50:.4}",
+        s.p50,
+        s.p99,
+        s.p99 / s.p50.max(1e-9)
+    ));
+    Ok(out)
+}
+
+/// LanceDB's vector search over the same rows: (p50 ms, p99 ms, what ran).
+async fn lancedb_topk(
+    rows: &[f32],
+    dim: usize,
+    queries: &[Vec<f32>],
+    k: usize,
+    index_rows: usize,
+) -> Result<(f64, f64, String)> {
+    let dir = tempfile::tempdir().map_err(|e| Error::Io {
+        context: "creating a temp dir".into(),
+        source: e,
+    })?;
+    let db = lancedb::connect(dir.path().to_str().unwrap_or("."))
+        .execute()
+        .await
+        .map_err(Error::lance("connecting"))?;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("user_id", DataType::Utf8, false),
+        Field::new(
+            "vector",
+            DataType::FixedSizeList(
+                Arc::new(Field::new("item", DataType::Float32, true)),
+                dim as i32,
+            ),
+            false,
+        ),
+    ]));
+    let n = rows.len() / dim;
+    let mut batches = Vec::new();
+    for start in (0..n).step_by(100_000) {
+        let end = (start + 100_000).min(n);
+        let mut users = StringBuilder::new();
+        let mut vecs = FixedSizeListBuilder::new(Float32Builder::new(), dim as i32)
+            .with_field(Arc::new(Field::new("item", DataType::Float32, true)));
+        for i in start..end {
+            users.append_value("u1");
+            vecs.values().append_slice(&rows[i * dim..(i + 1) * dim]);
+            vecs.append(true);
+        }
+        batches.push(
+            RecordBatch::try_new(
+                schema.clone(),
+                vec![Arc::new(users.finish()), Arc::new(vecs.finish())],
+            )
+            .map_err(Error::Arrow)?,
+        );
+    }
+    let t = Instant::now();
+    let table = db
+        .create_empty_table("memories", schema.clone())
+        .execute()
+        .await
+        .map_err(Error::lance("creating the bench table"))?;
+    for batch in batches {
+        table
+            .add(
+                Box::new(RecordBatchIterator::new([Ok(batch)], schema.clone()))
+                    as Box<dyn arrow_array::RecordBatchReader + Send>,
+            )
+            .execute()
+            .await
+            .map_err(Error::lance("writing the bench table"))?;
+    }
+    let mut note = format!("written in {:.1} s", t.elapsed().as_secs_f64());
+    if n >= index_rows {
+        let t = Instant::now();
+        table
+            .create_index(
+                &["vector"],
+                lancedb::index::Index::IvfPq(
+                    lancedb::index::vector::IvfPqIndexBuilder::default()
+                        .distance_type(lancedb::DistanceType::Cosine),
+                ),
+            )
+            .execute()
+            .await
+            .map_err(Error::lance("building the vector index"))?;
+        note.push_str(&format!(
+            ", IVF_PQ index built in {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
+    } else {
+        note.push_str(", no index: flat scan");
+    }
+    let mut ms = Vec::with_capacity(queries.len());
+    for (i, q) in queries.iter().enumerate() {
+        let t = Instant::now();
+        let hits: Vec<RecordBatch> = table
+            .query()
+            .nearest_to(q.as_slice())
+            .map_err(Error::lance("query"))?
+            .distance_type(lancedb::DistanceType::Cosine)
+            .only_if("user_id = 'u1'")
+            .limit(k)
+            .execute()
+            .await
+            .map_err(Error::lance("query"))?
+            .try_collect()
+            .await
+            .map_err(Error::lance("query"))?;
+        if i >= 5 {
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        drop(hits);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok((percentile(&ms, 0.5), percentile(&ms, 0.99), note))
+}

@@ -1,0 +1,192 @@
+//! Bearer tokens scoped to tenants.
+//!
+//! The tokens file has one token per line: `<token> <tenant>[,<tenant>...]`,
+//! `*` for every tenant, `#` starting a comment. Tokens are compared in
+//! constant time. With no file configured every request is allowed (local use).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// What a token may read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every tenant.
+    All,
+    /// These tenants.
+    Tenants(BTreeSet<String>),
+}
+
+impl Scope {
+    /// Whether `tenant` may be read.
+    pub fn allows(&self, tenant: &str) -> bool {
+        match self {
+            Self::All => true,
+            Self::Tenants(t) => t.contains(tenant),
+        }
+    }
+}
+
+/// The configured tokens.
+#[derive(Clone)]
+pub struct Auth {
+    tokens: Option<Vec<(Vec<u8>, Scope)>>,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth")
+            .field("tokens", &self.tokens.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denied {
+    /// No or an unknown token (401).
+    Unauthenticated,
+}
+
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Auth {
+    /// No authentication.
+    pub fn open() -> Self {
+        Self { tokens: None }
+    }
+
+    /// Whether tokens are required.
+    pub fn enabled(&self) -> bool {
+        self.tokens.is_some()
+    }
+
+    /// Parses a tokens file's text.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming each bad line (never echoing the token).
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut tokens = Vec::new();
+        let mut problems = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            let mut parts = line.split_whitespace();
+            let (Some(token), Some(tenants), None) = (parts.next(), parts.next(), parts.next())
+            else {
+                problems.push(format!(
+                    "serve.tokens_file line {}: expected \"<token> <tenant>[,<tenant>...]\"",
+                    i + 1
+                ));
+                continue;
+            };
+            if token.len() < 16 {
+                problems.push(format!(
+                    "serve.tokens_file line {}: tokens must be at least 16 characters",
+                    i + 1
+                ));
+                continue;
+            }
+            let scope = if tenants == "*" {
+                Scope::All
+            } else {
+                Scope::Tenants(
+                    tenants
+                        .split(',')
+                        .filter(|t| !t.is_empty())
+                        .map(str::to_owned)
+                        .collect(),
+                )
+            };
+            tokens.push((token.as_bytes().to_vec(), scope));
+        }
+        if !problems.is_empty() {
+            return Err(Error::Config { problems });
+        }
+        Ok(Self {
+            tokens: Some(tokens),
+        })
+    }
+
+    /// Loads `path` (empty: no authentication).
+    ///
+    /// # Errors
+    /// An unreadable or malformed file.
+    pub fn load(path: &str) -> Result<Self> {
+        if path.is_empty() {
+            return Ok(Self::open());
+        }
+        let text = std::fs::read_to_string(Path::new(path)).map_err(|e| Error::Config {
+            problems: vec![format!("serve.tokens_file {path}: {e}")],
+        })?;
+        Self::parse(&text)
+    }
+
+    /// The scope of the `Authorization` header's bearer token.
+    ///
+    /// # Errors
+    /// [`Denied::Unauthenticated`] for a missing, malformed or unknown token.
+    pub fn scope(&self, authorization: Option<&str>) -> Result<Scope, Denied> {
+        let Some(tokens) = &self.tokens else {
+            return Ok(Scope::All);
+        };
+        let presented = authorization
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or(Denied::Unauthenticated)?;
+        let mut found = None;
+        // Every token is compared, so timing does not tell which matched.
+        for (t, scope) in tokens {
+            if ct_eq(t, presented.as_bytes()) {
+                found = Some(scope.clone());
+            }
+        }
+        found.ok_or(Denied::Unauthenticated)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_scoped_to_tenants() {
+        let a = Auth::parse(
+            "# ops\nacme-token-0123456789 acme\nall-token-0123456789 *  # admin\nboth-token-0123456789 acme,globex\n",
+        )
+        .unwrap();
+        let s = a.scope(Some("Bearer acme-token-0123456789")).unwrap();
+        assert!(s.allows("acme") && !s.allows("globex"));
+        assert!(
+            a.scope(Some("Bearer all-token-0123456789"))
+                .unwrap()
+                .allows("x")
+        );
+        let both = a.scope(Some("Bearer both-token-0123456789")).unwrap();
+        assert!(both.allows("globex") && both.allows("acme") && !both.allows("default"));
+        assert_eq!(a.scope(None), Err(Denied::Unauthenticated));
+        assert_eq!(a.scope(Some("Bearer nope")), Err(Denied::Unauthenticated));
+        assert_eq!(
+            a.scope(Some("Basic acme-token-0123456789")),
+            Err(Denied::Unauthenticated)
+        );
+        assert_eq!(Auth::open().scope(None), Ok(Scope::All));
+    }
+
+    #[test]
+    fn bad_lines_are_reported_without_the_token() {
+        let e = Auth::parse("short acme\nlonely-token-0123456789\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 1") && e.contains("line 2"), "{e}");
+        assert!(!e.contains("lonely"), "{e}");
+    }
+}

@@ -1,0 +1,230 @@
+//! The retrieval service's metrics (its own registry; docs/metrics.md).
+
+use std::time::Instant;
+
+use axum::http::StatusCode;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
+    Registry, TextEncoder, exponential_buckets,
+};
+use steamrf_operators::rfmem::{Answer, Path, Rule};
+
+use super::cache::{Snapshot, TABLES};
+use crate::metrics::{counter, gauge_vec, histogram};
+
+/// Routes, as label values.
+pub(super) const ROUTES: [&str; 2] = ["retrieve", "recommend"];
+
+/// Every metric of `steamrf serve`.
+#[derive(Clone, Debug)]
+pub struct ServeMetrics {
+    registry: Registry,
+    /// API requests, by route and status code.
+    pub requests: IntCounterVec,
+    /// API request duration, by route.
+    pub request_duration: HistogramVec,
+    /// Gate decisions, by path and rule.
+    pub gate: IntCounterVec,
+    /// Time in the chosen path, by path.
+    pub path_duration: HistogramVec,
+    /// Time in the probe and gate.
+    pub probe_duration: Histogram,
+    /// Recollection rounds per recollection.
+    pub rounds: Histogram,
+    /// Query embedding time.
+    pub query_embed: Histogram,
+    /// Snapshot loads, by result.
+    pub refreshes: IntCounterVec,
+    /// Snapshot load time.
+    pub refresh_duration: Histogram,
+    /// Table versions of the served snapshot.
+    pub table_version: IntGaugeVec,
+    /// Rows in the served snapshot.
+    pub rows: IntGauge,
+    /// Users in the served snapshot.
+    pub users: IntGauge,
+}
+
+fn latency_buckets() -> Vec<f64> {
+    exponential_buckets(0.0001, 2.0, 18).expect("valid buckets")
+}
+
+impl Default for ServeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ServeMetrics {
+    /// Registers every metric, with the closed label sets pre-created.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let requests = counter(
+            &r,
+            "steamrf_serve_requests_total",
+            "API requests, by route and HTTP status code.",
+            &["route", "status"],
+        );
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "steamrf_serve_request_duration_seconds",
+                "API request duration (query embedding included), by route.",
+            )
+            .buckets(latency_buckets()),
+            &["route"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(request_duration.clone()))
+            .expect("unique metric");
+        let gate = counter(
+            &r,
+            "steamrf_retrieve_gate_decisions_total",
+            "RF-Mem gate decisions, by path and rule.",
+            &["path", "rule"],
+        );
+        let path_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "steamrf_retrieve_path_duration_seconds",
+                "Time in the chosen retrieval path (probe excluded), by path.",
+            )
+            .buckets(latency_buckets()),
+            &["path"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(path_duration.clone()))
+            .expect("unique metric");
+        let probe_duration = histogram(
+            &r,
+            "steamrf_retrieve_probe_duration_seconds",
+            "Time in the familiarity probe and the gate.",
+            latency_buckets(),
+        );
+        let rounds = histogram(
+            &r,
+            "steamrf_retrieve_recollection_rounds",
+            "Rounds run per recollection.",
+            vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 15.0, 20.0],
+        );
+        let query_embed = histogram(
+            &r,
+            "steamrf_retrieve_query_embed_duration_seconds",
+            "Time embedding a text query.",
+            latency_buckets(),
+        );
+        let refreshes = counter(
+            &r,
+            "steamrf_serve_snapshot_loads_total",
+            "Snapshot loads after a table changed, by result (ok, error).",
+            &["result"],
+        );
+        let refresh_duration = histogram(
+            &r,
+            "steamrf_serve_snapshot_load_duration_seconds",
+            "Time reading the tables and building a snapshot.",
+            exponential_buckets(0.001, 2.0, 18).expect("valid buckets"),
+        );
+        let table_version = gauge_vec(
+            &r,
+            "steamrf_serve_table_version",
+            "LanceDB version of each table in the served snapshot.",
+            &["table"],
+        );
+        let rows = IntGauge::new(
+            "steamrf_serve_snapshot_rows",
+            "Searchable rows in the served snapshot.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(rows.clone())).expect("unique metric");
+        let users = IntGauge::new(
+            "steamrf_serve_snapshot_users",
+            "Users in the served snapshot.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(users.clone())).expect("unique metric");
+        for route in ROUTES {
+            request_duration.with_label_values(&[route]);
+            for status in ["200", "400", "401", "403"] {
+                requests.with_label_values(&[route, status]);
+            }
+        }
+        for (path, rule) in [
+            (Path::Familiarity, Rule::MeanHigh),
+            (Path::Familiarity, Rule::LowEntropy),
+            (Path::Familiarity, Rule::Forced),
+            (Path::Recollection, Rule::MeanLow),
+            (Path::Recollection, Rule::HighEntropy),
+            (Path::Recollection, Rule::NoHits),
+            (Path::Recollection, Rule::Forced),
+        ] {
+            gate.with_label_values(&[path.as_str(), rule.as_str()]);
+            path_duration.with_label_values(&[path.as_str()]);
+        }
+        for result in ["ok", "error"] {
+            refreshes.with_label_values(&[result]);
+        }
+        for t in TABLES {
+            table_version.with_label_values(&[t]);
+        }
+        Self {
+            registry: r,
+            requests,
+            request_duration,
+            gate,
+            path_duration,
+            probe_duration,
+            rounds,
+            query_embed,
+            refreshes,
+            refresh_duration,
+            table_version,
+            rows,
+            users,
+        }
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("exposition is UTF-8")
+    }
+
+    /// Counts a finished request (`error`: its status, if it failed).
+    pub fn finish(&self, route: &str, started: Instant, error: Option<StatusCode>) {
+        let status = error.unwrap_or(StatusCode::OK);
+        self.requests
+            .with_label_values(&[route, status.as_str()])
+            .inc();
+        self.request_duration
+            .with_label_values(&[route])
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Records what a retrieval did.
+    pub fn observe_answer(&self, a: &Answer) {
+        self.gate
+            .with_label_values(&[a.path.as_str(), a.rule.as_str()])
+            .inc();
+        self.probe_duration.observe(a.probe_time.as_secs_f64());
+        self.path_duration
+            .with_label_values(&[a.path.as_str()])
+            .observe(a.path_time.as_secs_f64());
+        if a.path == Path::Recollection {
+            self.rounds.observe(f64::from(a.rounds));
+        }
+    }
+
+    /// Records a published snapshot.
+    pub fn observe_snapshot(&self, s: &Snapshot) {
+        for (t, v) in &s.versions {
+            self.table_version
+                .with_label_values(&[t])
+                .set(i64::try_from(*v).unwrap_or(i64::MAX));
+        }
+        self.rows.set(s.rows() as i64);
+        self.users.set(s.users.len() as i64);
+        self.refresh_duration.observe(s.load_time.as_secs_f64());
+    }
+}

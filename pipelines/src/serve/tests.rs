@@ -1,0 +1,504 @@
+use std::collections::HashMap;
+
+use serde_json::{Value, json};
+use steamrf_kernels::Corpus;
+use steamrf_kernels::cpu::CpuKernel;
+use steamrf_operators::steam::SteamState;
+use steamrf_operators::steam::memory::Observation;
+use steamrf_schemas::tables::EMBEDDING_DIM;
+
+use super::cache::{Entry, EntryKind, ItemInfo, UserCorpus};
+use super::*;
+
+fn unit(axis: &[(usize, f32)]) -> Vec<f32> {
+    let mut v = vec![0.0f32; EMBEDDING_DIM];
+    for &(i, x) in axis {
+        v[i] = x;
+    }
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.iter_mut().for_each(|x| *x /= n);
+    v
+}
+
+fn obs(event: &str, item: &str, v: Vec<f32>) -> Observation {
+    Observation {
+        event_id: event.into(),
+        timestamp_ms: 0,
+        embedding: v,
+        item_id: Some(item.into()),
+        title: Some(item.into()),
+        categories: vec!["jazz".into()],
+        text: None,
+    }
+}
+
+fn config() -> ServeConfig {
+    Config::load_with_env(None, []).unwrap().serve
+}
+
+/// Three acme users who like jazz (a published prototype), and a globex
+/// user with the very same taste, who must stay invisible to acme.
+fn snapshot() -> Snapshot {
+    let params = SteamParams {
+        tenant_separator: Some(':'),
+        ..SteamParams::default()
+    };
+    let mut steam = SteamState::new(params, EMBEDDING_DIM);
+    let jazz = |i: f32| unit(&[(0, 1.0), (1, 0.1 * i)]);
+    let o = steam
+        .observe(vec![
+            ("acme:ann".into(), obs("a1", "blue-train", jazz(1.0))),
+            ("acme:ben".into(), obs("b1", "dave", jazz(2.0))),
+            ("acme:cat".into(), obs("c1", "dave", jazz(1.5))),
+            ("globex:dan".into(), obs("d1", "secret-album", jazz(1.2))),
+            ("globex:eve".into(), obs("e1", "x", jazz(1.3))),
+            ("globex:fay".into(), obs("f1", "y", jazz(1.4))),
+        ])
+        .unwrap();
+    steam.link(&CpuKernel::default(), &o.changed).unwrap();
+    let entries = vec![
+        Entry {
+            kind: EntryKind::Dialogue,
+            id: "t1".into(),
+            content: "user: I love Coltrane's ballads".into(),
+            table: "interactions",
+            source_event_ids: vec!["t1".into()],
+            source: Some((0, 41)),
+        },
+        Entry {
+            kind: EntryKind::Dialogue,
+            id: "t2".into(),
+            content: "user: my cat is called Miles".into(),
+            table: "interactions",
+            source_event_ids: vec!["t2".into()],
+            source: Some((0, 42)),
+        },
+    ];
+    let mut rows = jazz(0.5);
+    rows.extend(unit(&[(5, 1.0)]));
+    let ann = UserCorpus {
+        entries,
+        store: rfmem::VectorStore::flat(
+            Corpus::from_vec(rows, EMBEDDING_DIM).unwrap(),
+            CpuKernel::default(),
+        ),
+    };
+    let mut users = HashMap::new();
+    users.insert("acme:ann".to_owned(), Arc::new(ann));
+    let mut items = HashMap::new();
+    items.insert(
+        "dave".to_owned(),
+        ItemInfo {
+            title: "Dave".into(),
+            embedding: jazz(1.8),
+        },
+    );
+    items.insert(
+        "far".to_owned(),
+        ItemInfo {
+            title: "Far".into(),
+            embedding: unit(&[(9, 1.0)]),
+        },
+    );
+    Snapshot {
+        users,
+        steam,
+        items,
+        versions: BTreeMap::from([("interactions", 3)]),
+        load_time: Duration::ZERO,
+    }
+}
+
+async fn start(auth: Auth, publish: bool) -> (String, Arc<AppState>) {
+    let mut cfg = config();
+    cfg.max_request_bytes = crate::config::ByteSize(64 * 1024);
+    let st = Arc::new(AppState::new(
+        cfg,
+        Some(':'),
+        None,
+        auth,
+        ServeMetrics::new(),
+        Snapshot::empty(SteamParams::default()),
+    ));
+    if publish {
+        st.publish(snapshot());
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(axum::serve(listener, router(st.clone())).into_future());
+    (format!("http://{addr}"), st)
+}
+
+async fn post(base: &str, path: &str, token: Option<&str>, body: &str) -> (u16, Value) {
+    let mut r = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+fn qv(v: &[f32]) -> Value {
+    json!(v)
+}
+
+#[tokio::test]
+async fn retrieve_answers_with_provenance_explanation_and_the_community() {
+    let (base, _) = start(Auth::open(), true).await;
+    let q = unit(&[(0, 1.0), (1, 0.05)]);
+    let (status, v) = post(
+        &base,
+        "/v1/retrieve",
+        None,
+        &json!({"user_id": "acme:ann", "query_vector": qv(&q), "k": 2}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2);
+    assert_eq!(items[0]["id"], "t1");
+    assert_eq!(items[0]["kind"], "dialogue");
+    assert_eq!(items[0]["provenance"]["table"], "interactions");
+    assert_eq!(items[0]["provenance"]["offset"], 41);
+    let ex = &v["explanation"];
+    assert_eq!(ex["corpus_rows"], 2);
+    assert!(ex["path"] == "familiarity" || ex["path"] == "recollection");
+    assert!(ex["probe"]["k"].as_u64().unwrap() >= 1);
+    assert!(ex["latency"]["total_ms"].as_f64().unwrap() > 0.0);
+    assert_eq!(ex["table_versions"]["interactions"], 3);
+    // The acme jazz community is published (3 users); its other users show
+    // up only as memory and item ids, and globex (same taste) not at all.
+    let collab = v["collaborative"].as_array().unwrap();
+    assert_eq!(collab.len(), 1, "{v}");
+    assert_eq!(collab[0]["users"], 3);
+    let text = v.to_string();
+    assert!(
+        !text.contains("secret-album") && !text.contains("globex"),
+        "{text}"
+    );
+    assert!(
+        collab[0]["item_ids"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("dave"))
+    );
+    // Forced paths, and the local-to-global step switched off.
+    for mode in ["familiarity", "recollection"] {
+        let (status, v) = post(
+            &base,
+            "/v1/retrieve",
+            None,
+            &json!({"user_id": "acme:ann", "query_vector": qv(&q), "options": {"mode": mode}, "collaborative": false})
+                .to_string(),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["explanation"]["path"], mode);
+        assert_eq!(v["explanation"]["rule"], "forced");
+        assert!(v["collaborative"].as_array().unwrap().is_empty());
+    }
+    // A user the tables do not know: an empty answer, not an error.
+    let (status, v) = post(
+        &base,
+        "/v1/retrieve",
+        None,
+        &json!({"user_id": "acme:nobody", "query_vector": qv(&q)}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(v["items"].as_array().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn bad_requests_get_a_400_naming_the_field() {
+    let (base, st) = start(Auth::open(), true).await;
+    let q = unit(&[(0, 1.0)]);
+    let cases = [
+        (
+            json!({"user_id": "acme:ann", "query_vector": qv(&q), "querry": 1}).to_string(),
+            "querry",
+        ),
+        (json!({"query_vector": qv(&q)}).to_string(), "user_id"),
+        (
+            json!({"user_id": "", "query_vector": qv(&q)}).to_string(),
+            "user_id",
+        ),
+        (json!({"user_id": "acme:ann"}).to_string(), "query"),
+        (
+            json!({"user_id": "acme:ann", "query": "jazz", "query_vector": qv(&q)}).to_string(),
+            "query",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query": "jazz"}).to_string(),
+            "query",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": [1.0, 2.0]}).to_string(),
+            "query_vector",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": vec![0.0; 384]}).to_string(),
+            "query_vector",
+        ),
+        (
+            format!(
+                "{{\"user_id\": \"acme:ann\", \"query_vector\": [1e39{}]}}",
+                ", 0.5".repeat(383)
+            ),
+            "query_vector",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": ["a"]}).to_string(),
+            "query_vector[0]",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": qv(&q), "k": 0}).to_string(),
+            "k",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": qv(&q), "options": {"alpha": 2.0}})
+                .to_string(),
+            "options.alpha",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": qv(&q), "options": {"alhpa": 0.5}})
+                .to_string(),
+            "options.alhpa",
+        ),
+        (
+            json!({"user_id": "acme:ann", "query_vector": qv(&q), "options": {"mode": "psychic"}})
+                .to_string(),
+            "options.mode",
+        ),
+        ("{not json".to_owned(), "body"),
+    ];
+    for (body, field) in cases {
+        let (status, v) = post(&base, "/v1/retrieve", None, &body).await;
+        assert_eq!(status, 400, "{body:.80}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_request");
+        assert_eq!(v["error"]["field"], field, "{body:.80}: {v}");
+    }
+    for (body, field) in [
+        (
+            json!({"user_id": "acme:ann", "candidates": []}),
+            "candidates",
+        ),
+        (
+            json!({"user_id": "acme:ann", "candidates": ["dave", ""]}),
+            "candidates[1]",
+        ),
+        (
+            json!({"user_id": "acme:ann", "candidates": "dave"}),
+            "candidates",
+        ),
+        (
+            json!({"user_id": "acme:ann", "candidates": ["dave"], "k": 0}),
+            "k",
+        ),
+    ] {
+        let (status, v) = post(&base, "/v1/recommend", None, &body.to_string()).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["field"], field, "{body}: {v}");
+    }
+    // Too large: 413 before parsing.
+    let huge = format!("{{\"user_id\": \"{}\"}}", "x".repeat(100_000));
+    assert_eq!(post(&base, "/v1/retrieve", None, &huge).await.0, 413);
+    // Unknown route: a JSON 404.
+    let (status, v) = post(&base, "/v1/nope", None, "{}").await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (404, Some("not_found"))
+    );
+    // The service kept serving, and counted the rejections.
+    let (status, _) = post(
+        &base,
+        "/v1/retrieve",
+        None,
+        &json!({"user_id": "acme:ann", "query_vector": qv(&q)}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let m = st.metrics.render();
+    assert!(
+        m.contains("steamrf_serve_requests_total{route=\"retrieve\",status=\"400\"} 15"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn tokens_are_scoped_to_tenants() {
+    let auth = Auth::parse("acme-reader-0123456789 acme\nadmin-token-0123456789 *\n").unwrap();
+    let (base, _) = start(auth, true).await;
+    let q = unit(&[(0, 1.0)]);
+    let body = |user: &str| json!({"user_id": user, "query_vector": qv(&q)}).to_string();
+    let (status, v) = post(&base, "/v1/retrieve", None, &body("acme:ann")).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (401, Some("unauthenticated"))
+    );
+    let (status, _) = post(
+        &base,
+        "/v1/retrieve",
+        Some("wrong-token-0123456789"),
+        &body("acme:ann"),
+    )
+    .await;
+    assert_eq!(status, 401);
+    let (status, _) = post(
+        &base,
+        "/v1/retrieve",
+        Some("acme-reader-0123456789"),
+        &body("acme:ann"),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, v) = post(
+        &base,
+        "/v1/retrieve",
+        Some("acme-reader-0123456789"),
+        &body("globex:dan"),
+    )
+    .await;
+    assert_eq!(status, 403, "{v}");
+    assert_eq!(v["error"]["field"], "user_id");
+    let rec = json!({"user_id": "globex:dan", "candidates": ["dave"]}).to_string();
+    assert_eq!(
+        post(&base, "/v1/recommend", Some("acme-reader-0123456789"), &rec)
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        post(&base, "/v1/recommend", Some("admin-token-0123456789"), &rec)
+            .await
+            .0,
+        200
+    );
+}
+
+#[tokio::test]
+async fn recommend_ranks_with_reasons_and_unknown_items_last() {
+    let (base, _) = start(Auth::open(), true).await;
+    let (status, v) = post(
+        &base,
+        "/v1/recommend",
+        None,
+        &json!({"user_id": "acme:ann", "candidates": ["mystery", "far", "dave"]}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let ranked = v["ranked"].as_array().unwrap();
+    let ids: Vec<&str> = ranked
+        .iter()
+        .map(|r| r["item_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["dave", "far", "mystery"]);
+    assert!(ranked[0]["seen"].as_f64().unwrap() > 0.0);
+    assert!(
+        ranked[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("similar users"),
+        "{v}"
+    );
+    assert!(
+        ranked[2]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("unknown item")
+    );
+}
+
+#[tokio::test]
+async fn readiness_waits_for_the_first_snapshot_and_openapi_is_served() {
+    let (base, st) = start(Auth::open(), false).await;
+    let get = |p: &'static str| {
+        let base = base.clone();
+        async move {
+            let r = reqwest::get(format!("{base}{p}")).await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    assert_eq!(get("/healthz").await.0, 200);
+    assert_eq!(get("/readyz").await.0, 503);
+    st.publish(snapshot());
+    assert_eq!(get("/readyz").await.0, 200);
+    let (status, doc) = get("/openapi.json").await;
+    assert_eq!(status, 200);
+    let doc: Value = serde_json::from_str(&doc).unwrap();
+    for path in [
+        "/v1/retrieve",
+        "/v1/recommend",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/openapi.json",
+    ] {
+        assert!(
+            doc["paths"].get(path).is_some(),
+            "{path} missing from docs/openapi.json"
+        );
+    }
+    // The documented request fields are exactly the accepted ones.
+    let props = |schema: &str| -> Vec<String> {
+        let mut v: Vec<String> = doc["components"]["schemas"][schema]["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        props("RetrieveRequest"),
+        [
+            "collaborative",
+            "k",
+            "options",
+            "query",
+            "query_vector",
+            "user_id"
+        ]
+    );
+    assert_eq!(props("RecommendRequest"), ["candidates", "k", "user_id"]);
+    let mut options: Vec<String> = serde_json::to_value(RfMemParams::default())
+        .unwrap()
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    options.sort();
+    assert_eq!(props("RfMemOptions"), options);
+    let (status, metrics) = get("/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("steamrf_serve_snapshot_users 1"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn every_serve_metric_is_documented() {
+    let text = ServeMetrics::new().render();
+    let docs = include_str!("../../../docs/metrics.md");
+    let mut names = 0;
+    for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let name = line.split_whitespace().nth(2).unwrap();
+        assert!(
+            docs.contains(&format!("`{name}`")),
+            "{name} is missing from docs/metrics.md"
+        );
+        names += 1;
+    }
+    assert!(names >= 12, "{text}");
+}
