@@ -70,7 +70,9 @@ impl SimilarityKernel for CpuKernel {
         let next = AtomicUsize::new(0);
         let worker = || {
             let mut heaps: Vec<TopK> = (0..m).map(|_| TopK::new(params.k)).collect();
-            let mut scratch = vec![0.0f32; query_block * block_rows];
+            // Sized to the call: a single query over a small corpus (the
+            // retrieval service's case) must not zero a 2 MiB tile.
+            let mut scratch = vec![0.0f32; query_block.min(m) * block_rows.min(n)];
             loop {
                 let b = next.fetch_add(1, Ordering::Relaxed);
                 if b >= blocks {
