@@ -30,3 +30,15 @@ echo
 echo "Dead letters (malformed sample events) are on topic steamrf-dead-letters:"
 .tools/bin/kcat -b 127.0.0.1:9092 -C -t steamrf-dead-letters -o beginning -e -q \
   -f '  %h\n    payload: %s\n' 2>/dev/null || true
+
+# The retrieval service (docs/retrieval.md) over the same tables: RF-Mem over
+# alice's memories, dialogue turns and interactions, then her community.
+echo
+"$steamrf" serve --config examples/quickstart.toml --listen 127.0.0.1:8090 2>/dev/null &
+serve_pid=$!
+trap 'kill $serve_pid 2>/dev/null || true' EXIT
+for _ in $(seq 100); do curl -sf 127.0.0.1:8090/readyz >/dev/null && break; sleep 0.2; done
+ask() { echo; echo "\$ curl 127.0.0.1:8090$1 -d '$2'"; curl -s "127.0.0.1:8090$1" -d "$2" | .tools/venv/bin/python -m json.tool | head -${3:-40}; }
+ask /v1/retrieve '{"user_id": "alice", "query": "modern jazz records", "k": 3}' 60
+ask /v1/recommend '{"user_id": "alice", "candidates": ["cd-002", "cd-004", "cd-005", "cd-008"]}' 40
+kill $serve_pid 2>/dev/null || true

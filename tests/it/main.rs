@@ -5,7 +5,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use support::*;
@@ -186,9 +186,8 @@ fn crash_restart_exact_counts() {
     let mut before = 0;
     for round in 0..5 {
         let mut p = Pipeline::start(&config, None);
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while try_sql_count(&uri, INTERACTIONS).unwrap_or(0) == before
-            && std::time::Instant::now() < deadline
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while try_sql_count(&uri, INTERACTIONS).unwrap_or(0) == before && Instant::now() < deadline
         {
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -528,4 +527,154 @@ fn validate_reports_every_problem() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// From Kafka events to a retrieval answer: the service starts before the
+/// pipeline has written anything, sees the tables appear and change without
+/// a restart, and answers text queries with the user's own rows, the
+/// published community (never other users' text), and ranked candidates.
+#[test]
+fn kafka_events_to_a_retrieval_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-serve");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    produce_all(&topic, 1, &file);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &dlq,
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "reader-token-0123456789 default\n").unwrap();
+    let extra = format!(
+        "[steam]\nenabled = true\n[serve]\nrefresh_interval = \"200ms\"\ntokens_file = \"{}\"\n",
+        tokens.display()
+    );
+    let config = cfg.write_with(&extra);
+    let service = Service::start(&config);
+    let token = Some("reader-token-0123456789");
+    let ask = |body: &str| service.post("/v1/retrieve", token, body);
+    let (status, _) = service.post(
+        "/v1/retrieve",
+        None,
+        r#"{"user_id":"user3","query":"jazz"}"#,
+    );
+    assert_eq!(status, 401);
+
+    // The pipeline keeps running, as in production.
+    let mut pipeline = Pipeline::start(&config, None);
+    let question = r#"{"user_id":"user3","query":"bebop jazz standards","k":5}"#;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let answer = loop {
+        let (status, body) = ask(question);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        // Each table's snapshot is one consistent version, but the tables
+        // are written one after another: memories trail their interactions
+        // by the STEAM stage of the same batch.
+        let has_memory = v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["kind"] == "memory");
+        if has_memory && !v["collaborative"].as_array().unwrap().is_empty() {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no answer:\n{}",
+            service.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let items = answer["items"].as_array().unwrap();
+    let kinds: Vec<&str> = items.iter().map(|i| i["kind"].as_str().unwrap()).collect();
+    assert!(
+        kinds.contains(&"dialogue") && kinds.contains(&"memory"),
+        "{answer}"
+    );
+    let turn = items
+        .iter()
+        .find(|i| i["content"].as_str().unwrap().contains("Any more bebop"))
+        .unwrap_or_else(|| panic!("the user's own turn is not retrieved: {answer}"));
+    assert_eq!(turn["provenance"]["table"], "interactions");
+    assert!(
+        turn["provenance"]["source_event_ids"][0]
+            .as_str()
+            .unwrap()
+            .starts_with(&topic)
+    );
+    let ex = &answer["explanation"];
+    assert!(
+        ex["latency"]["embed_ms"].as_f64().unwrap() > 0.0,
+        "{answer}"
+    );
+    assert!(ex["table_versions"]["memories"].as_u64().unwrap() > 0);
+    // The jazz community (four users) is reached through its prototype;
+    // other users appear only as ids.
+    let collab = answer["collaborative"].as_array().unwrap();
+    assert!(
+        collab.iter().any(|c| c["users"].as_u64().unwrap() >= 3
+            && c["content"].as_str().unwrap().contains("Jazz")),
+        "{answer}"
+    );
+    let text = answer.to_string();
+    for other in ["user0", "user1", "user2", "jazz piano"] {
+        assert!(!text.contains(other), "{other} leaked: {text}");
+    }
+
+    // Ranking: a jazz candidate above a science-fiction one, unknown last.
+    let (status, body) = service.post(
+        "/v1/recommend",
+        token,
+        r#"{"user_id":"user2","candidates":["nope","space2","jazz5"]}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let ids: Vec<&str> = v["ranked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["item_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["jazz5", "space2", "nope"], "{body}");
+
+    // Freshness: a new turn is answerable soon after it is produced (Kafka,
+    // a micro-batch, its embedding, the write, the STEAM stage, a snapshot
+    // refresh), with no restart of anything.
+    let more = dir.path().join("more.jsonl");
+    std::fs::write(
+        &more,
+        format!(
+            "{{\"schema_version\":1,\"event_id\":\"{topic}-late\",\"timestamp\":1764000100000,\"type\":\"dialogue_turn\",\"user_id\":\"user3\",\"session_id\":\"s2\",\"role\":\"user\",\"text\":\"Thelonious Monk piano records, please\"}}\n"
+        ),
+    )
+    .unwrap();
+    produce_all(&topic, 1, &more);
+    let written = Instant::now();
+    loop {
+        let (_, body) = ask(
+            r#"{"user_id":"user3","query":"Thelonious Monk piano","k":1,"options":{"mode":"familiarity"}}"#,
+        );
+        if body.contains("Thelonious Monk piano records") {
+            break;
+        }
+        assert!(
+            written.elapsed() < Duration::from_secs(10),
+            "the new turn never showed up: {body}\n{}\n{}",
+            service.log_text(),
+            pipeline.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "new turn answerable {:?} after it was produced",
+        written.elapsed()
+    );
+    assert!(pipeline.sigterm().success());
 }

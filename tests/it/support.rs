@@ -547,3 +547,69 @@ impl FakeChat {
         Self { url, prompts }
     }
 }
+
+/// A `steamrf serve` child process, killed on drop.
+pub struct Service {
+    child: Child,
+    pub port: u16,
+    pub log: PathBuf,
+}
+
+impl Service {
+    /// Starts the service on a free port and waits for `/readyz`.
+    pub fn start(config: &Path) -> Self {
+        let port = free_port();
+        let log = config.with_extension(format!("serve-{port}.log"));
+        let child = Command::new(steamrf_bin())
+            .args(["serve", "--config"])
+            .arg(config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .env("STEAMRF_LOG", "warn,steamrf_pipelines=debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let s = Self { child, port, log };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http_get(port, "/readyz").as_deref() != Some("ready\n") {
+            assert!(
+                Instant::now() < deadline,
+                "serve never ready:\n{}",
+                s.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        s
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// POSTs JSON; returns the status and the body.
+    pub fn post(&self, path: &str, token: Option<&str>, body: &str) -> (u16, String) {
+        use std::io::Read;
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap();
+        let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        // Bodies are small: axum sends them with Content-Length, not chunked.
+        (status, body.to_owned())
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+}

@@ -183,16 +183,21 @@ fn root_field(message: &str) -> Option<String> {
     }
 }
 
-fn authorize(st: &AppState, headers: &HeaderMap, user_id: &str) -> Result<(), ApiError> {
+/// Checks the bearer token before anything else is looked at.
+fn authenticate(st: &AppState, headers: &HeaderMap) -> Result<Scope, ApiError> {
     let h = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let scope: Scope = st.auth.scope(h).map_err(|_| ApiError {
+    st.auth.scope(h).map_err(|_| ApiError {
         status: StatusCode::UNAUTHORIZED,
         code: "unauthenticated",
         field: None,
         message: "a valid bearer token is required (Authorization: Bearer <token>)".into(),
-    })?;
+    })
+}
+
+/// Whether `scope` may read `user_id`'s tenant.
+fn authorize(st: &AppState, scope: &Scope, user_id: &str) -> Result<(), ApiError> {
     let tenant = tenant_of(user_id, st.separator);
     if scope.allows(tenant) {
         Ok(())
@@ -444,9 +449,10 @@ async fn retrieve_inner(
     body: &[u8],
     started: Instant,
 ) -> Result<RetrieveResponse, ApiError> {
+    let scope = authenticate(st, headers)?;
     let mut req: RetrieveRequest = parse(body)?;
     check_user(&req.user_id)?;
-    authorize(st, headers, &req.user_id)?;
+    authorize(st, &scope, &req.user_id)?;
     let p = params_for(&st.cfg, &req)?;
     let (q, embed_time) = query_vector(st, &mut req).await?;
     let collaborative = req.collaborative.unwrap_or(st.cfg.collaborative);
@@ -655,9 +661,10 @@ fn recommend_inner(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<RecommendResponse, ApiError> {
+    let scope = authenticate(st, headers)?;
     let req: RecommendRequest = parse(body)?;
     check_user(&req.user_id)?;
-    authorize(st, headers, &req.user_id)?;
+    authorize(st, &scope, &req.user_id)?;
     if req.candidates.is_empty() || req.candidates.len() > MAX_CANDIDATES {
         return Err(ApiError::invalid(
             "candidates",
