@@ -202,9 +202,18 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     let k = base.k;
     let mut hit = [0usize; 2];
     for (i, q) in queries.iter().enumerate() {
-        let e = exact.search(q, k, f32::NEG_INFINITY).map_err(internal)?.remove(0);
-        let a = ivf.search(q, k, f32::NEG_INFINITY).map_err(internal)?.remove(0);
-        hit[i % 2] += a.iter().filter(|h| e.iter().any(|x| x.index == h.index)).count();
+        let e = exact
+            .search(q, k, f32::NEG_INFINITY)
+            .map_err(internal)?
+            .remove(0);
+        let a = ivf
+            .search(q, k, f32::NEG_INFINITY)
+            .map_err(internal)?
+            .remove(0);
+        hit[i % 2] += a
+            .iter()
+            .filter(|h| e.iter().any(|x| x.index == h.index))
+            .count();
     }
     let per_kind = (queries.len() / 2).max(1) * k;
     let recall = hit[0] as f64 / per_kind as f64;

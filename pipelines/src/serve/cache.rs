@@ -265,9 +265,17 @@ struct Row {
     ts: i64,
 }
 
+struct Turn {
+    ts: i64,
+    event_id: String,
+    content: String,
+    vector: Vec<f32>,
+    source: Option<(i32, i64)>,
+}
+
 #[derive(Default)]
 struct Session {
-    turns: Vec<(i64, String, String, Vec<f32>, Option<(i32, i64)>)>,
+    turns: Vec<Turn>,
 }
 
 fn build(
@@ -328,13 +336,13 @@ fn build(
                         .entry((user_id.to_owned(), s.to_owned()))
                         .or_default()
                         .turns
-                        .push((
-                            ts.value(r),
-                            event.value(r).to_owned(),
+                        .push(Turn {
+                            ts: ts.value(r),
+                            event_id: event.value(r).to_owned(),
                             content,
-                            e.to_vec(),
+                            vector: e.to_vec(),
                             source,
-                        ));
+                        });
                     continue;
                 }
                 rows.entry(user_id.to_owned()).or_default().push(Row {
@@ -373,10 +381,10 @@ fn build(
     }
     for ((user, session), mut s) in sessions {
         s.turns
-            .sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+            .sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.event_id.cmp(&b.event_id)));
         let mut v = vec![0.0f32; EMBEDDING_DIM];
         for t in &s.turns {
-            v.iter_mut().zip(&t.3).for_each(|(a, b)| *a += b);
+            v.iter_mut().zip(&t.vector).for_each(|(a, b)| *a += b);
         }
         rows.entry(user).or_default().push(Row {
             entry: Entry {
@@ -385,15 +393,15 @@ fn build(
                 content: s
                     .turns
                     .iter()
-                    .map(|t| t.2.as_str())
+                    .map(|t| t.content.as_str())
                     .collect::<Vec<_>>()
                     .join("\n"),
                 table: "interactions",
-                source_event_ids: s.turns.iter().map(|t| t.1.clone()).collect(),
-                source: s.turns.first().and_then(|t| t.4),
+                source_event_ids: s.turns.iter().map(|t| t.event_id.clone()).collect(),
+                source: s.turns.first().and_then(|t| t.source),
             },
             vector: v,
-            ts: s.turns.first().map_or(0, |t| t.0),
+            ts: s.turns.first().map_or(0, |t| t.ts),
         });
     }
     if want(CorpusKind::Memory) {
@@ -461,5 +469,128 @@ fn build(
 fn internal(e: impl std::fmt::Display) -> Error {
     Error::Internal {
         message: format!("building the retrieval snapshot: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use steamrf_schemas::tables::with_embeddings;
+    use steamrf_schemas::{Provenance, TableBuilders, decode};
+
+    use super::*;
+    use crate::config::Config;
+
+    fn project(b: &RecordBatch, names: &[&str]) -> RecordBatch {
+        let idx: Vec<usize> = names
+            .iter()
+            .map(|n| b.schema().index_of(n).unwrap())
+            .collect();
+        b.project(&idx).unwrap()
+    }
+
+    fn axis(i: usize) -> Vec<f32> {
+        let mut v = vec![0.0; EMBEDDING_DIM];
+        v[i] = 1.0;
+        v
+    }
+
+    /// Dialogue turns (two sessions), a click on an embedded item and one
+    /// on an unknown item, as the tables hold them.
+    fn tables() -> (RecordBatch, RecordBatch) {
+        let events = [
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t2","timestamp":2000,"user_id":"u","session_id":"s1","role":"assistant","text":"Try Blue Train."}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t1","timestamp":1000,"user_id":"u","session_id":"s1","role":"user","text":"More Coltrane?"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t3","timestamp":3000,"user_id":"u","session_id":"s2","role":"user","text":"My cat is Miles."}"#,
+            r#"{"type":"click","schema_version":1,"event_id":"c1","timestamp":4000,"user_id":"u","item_id":"i1"}"#,
+            r#"{"type":"click","schema_version":1,"event_id":"c2","timestamp":5000,"user_id":"u","item_id":"nope"}"#,
+            r#"{"type":"item","schema_version":1,"event_id":"it","timestamp":10,"item_id":"i1","title":"Blue Train"}"#,
+        ];
+        let mut b = TableBuilders::default();
+        for (i, e) in events.iter().enumerate() {
+            let p = Provenance {
+                partition: 0,
+                offset: i as i64,
+                ingested_at_ms: 0,
+            };
+            b.append(&decode(e.as_bytes()).unwrap(), p);
+        }
+        let t = b.finish().unwrap();
+        let mut vecs = axis(0);
+        vecs.extend(axis(1));
+        vecs.extend(axis(2));
+        let inter = with_embeddings(&t.interactions.unwrap(), &[0, 1, 2], &vecs).unwrap();
+        let items = with_embeddings(&t.items.unwrap(), &[0], &axis(3)).unwrap();
+        (
+            project(
+                &inter,
+                &[
+                    "event_id",
+                    "kind",
+                    "user_id",
+                    "timestamp",
+                    "item_id",
+                    "session_id",
+                    "role",
+                    "text",
+                    "embedding",
+                    "source_partition",
+                    "source_offset",
+                ],
+            ),
+            project(&items, &["item_id", "title", "embedding"]),
+        )
+    }
+
+    fn load(group_sessions: bool) -> Snapshot {
+        let mut cfg = Config::load_with_env(None, []).unwrap().serve;
+        cfg.group_sessions = group_sessions;
+        let (inter, items) = tables();
+        let steam = SteamState::new(SteamParams::default(), EMBEDDING_DIM);
+        build(&cfg, steam, &[inter], &[items], &[], BTreeMap::new()).unwrap()
+    }
+
+    #[test]
+    fn turns_and_interactions_become_rows_with_provenance() {
+        let s = load(false);
+        let u = &s.users["u"];
+        let rows: Vec<(EntryKind, &str, &str)> = u
+            .entries
+            .iter()
+            .map(|e| (e.kind, e.id.as_str(), e.content.as_str()))
+            .collect();
+        // In time order; the click on an item without an embedding is not searchable.
+        assert_eq!(
+            rows,
+            [
+                (EntryKind::Dialogue, "t1", "user: More Coltrane?"),
+                (EntryKind::Dialogue, "t2", "assistant: Try Blue Train."),
+                (EntryKind::Dialogue, "t3", "user: My cat is Miles."),
+                (EntryKind::Interaction, "c1", "click: Blue Train"),
+            ]
+        );
+        assert_eq!(u.entries[0].source, Some((0, 1)));
+        // Row i of the store is entry i: t1 was embedded as axis 1.
+        assert_eq!(u.store.vector(0)[1], 1.0);
+        assert_eq!(u.store.vector(3)[3], 1.0);
+        assert!(s.items.contains_key("i1"));
+    }
+
+    #[test]
+    fn sessions_group_their_turns_in_order() {
+        let s = load(true);
+        let u = &s.users["u"];
+        let s1 = u.entries.iter().position(|e| e.id == "s1").unwrap();
+        let e = &u.entries[s1];
+        assert_eq!(e.kind, EntryKind::Session);
+        assert_eq!(
+            e.content,
+            "user: More Coltrane?\nassistant: Try Blue Train."
+        );
+        assert_eq!(e.source_event_ids, ["t1", "t2"]);
+        // The session's vector is the normalised mean of its turns'.
+        let v = u.store.vector(s1);
+        let h = std::f32::consts::FRAC_1_SQRT_2;
+        assert!((v[0] - h).abs() < 1e-6 && (v[1] - h).abs() < 1e-6);
+        assert_eq!(u.entries.len(), 3, "two sessions and a click");
     }
 }
