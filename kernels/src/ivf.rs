@@ -249,25 +249,35 @@ impl Ivf {
             min_score,
             exclude: None,
         };
-        let mut out = Vec::with_capacity(probes.len());
+        // Queries probing the same list scan it together, in one GEMM: the
+        // branches of a recollection round are close and share most lists.
+        let mut by_list: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
         for (qi, lists) in probes.iter().enumerate() {
-            let q = &queries[qi * dim..(qi + 1) * dim];
-            let mut top = TopK::new(k);
             for l in lists {
-                let list = l.index as usize;
-                if self.lists[list].is_empty() {
-                    continue;
-                }
-                for h in self.scan.top_k(q, &self.lists[list], &params)?.remove(0) {
-                    top.push(Hit {
+                by_list.entry(l.index as usize).or_default().push(qi);
+            }
+        }
+        let mut tops: Vec<TopK> = (0..probes.len()).map(|_| TopK::new(k)).collect();
+        let mut batch = Vec::new();
+        for (list, qs) in by_list {
+            if self.lists[list].is_empty() {
+                continue;
+            }
+            batch.clear();
+            for &qi in &qs {
+                batch.extend_from_slice(&queries[qi * dim..(qi + 1) * dim]);
+            }
+            let hits = self.scan.top_k(&batch, &self.lists[list], &params)?;
+            for (&qi, hits) in qs.iter().zip(hits) {
+                for h in hits {
+                    tops[qi].push(Hit {
                         index: self.ids[list][h.index as usize],
                         score: h.score,
                     });
                 }
             }
-            out.push(top.into_sorted());
         }
-        Ok(out)
+        Ok(tops.into_iter().map(TopK::into_sorted).collect())
     }
 }
 

@@ -17,6 +17,29 @@
 
 #![deny(missing_docs)]
 
+/// Calls `$variant` compiled for the widest SIMD the CPU has (AVX-512F, or
+/// AVX2 with FMA), picked at run time, or else the x86-64 baseline `$body`.
+/// The bodies are plain loops; the target features only let the compiler use
+/// wider vectors for them.
+macro_rules! dispatch {
+    ($variant:ident, $body:ident($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F, checked on the line above.
+                return unsafe { avx512::$variant($($arg),*) };
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+                return unsafe { avx2::$variant($($arg),*) };
+            }
+        }
+        $body($($arg),*)
+    }};
+}
+
 pub mod cpu;
 pub mod cuda;
 pub mod ivf;

@@ -532,7 +532,8 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
         Path::Familiarity => {
             let hits = if probe_k >= p.k {
                 probe_hits
-                    .into_iter()
+                    .iter()
+                    .copied()
                     .filter(|h| h.score >= p.min_score)
                     .take(p.k)
                     .collect()
@@ -550,26 +551,34 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
                 .collect();
             (hits, 0)
         }
-        Path::Recollection => recollect(store, &q0, p, &mut candidates)?,
+        Path::Recollection => recollect(store, &q0, &probe_hits, p, &mut candidates)?,
     };
     let mut hits = hits;
     let mut filled = 0;
-    if p.fill && hits.len() < p.k && hits.len() < store.len() {
-        let want = p.k + hits.len();
-        candidates += want;
-        let seen: HashSet<u32> = hits.iter().map(|h| h.index).collect();
-        for h in store.search(&q0, want, p.min_score)?.remove(0) {
-            if hits.len() == p.k {
-                break;
+    if path == Path::Recollection && p.fill && hits.len() < p.k && hits.len() < store.len() {
+        // The best unseen rows by plain top-k. The probe's rows are that
+        // ranking's prefix; search further only when they run out.
+        let mut seen: HashSet<u32> = hits.iter().map(|h| h.index).collect();
+        let mut top_up = |pool: &[Hit], hits: &mut Vec<Found>| {
+            for h in pool {
+                if hits.len() == p.k {
+                    break;
+                }
+                if h.score >= p.min_score && seen.insert(h.index) {
+                    hits.push(Found {
+                        index: h.index,
+                        score: h.score,
+                        round: rounds,
+                    });
+                    filled += 1;
+                }
             }
-            if !seen.contains(&h.index) {
-                hits.push(Found {
-                    index: h.index,
-                    score: h.score,
-                    round: rounds,
-                });
-                filled += 1;
-            }
+        };
+        top_up(&probe_hits, &mut hits);
+        if hits.len() < p.k && probe_hits.len() == probe_k {
+            let want = p.k + probe_k;
+            candidates += want;
+            top_up(&store.search(&q0, want, p.min_score)?.remove(0), &mut hits);
         }
     }
     if path == Path::Recollection && p.order == Order::Score {
@@ -597,6 +606,7 @@ struct Branch {
 fn recollect(
     store: &VectorStore,
     q0: &[f32],
+    probe: &[Hit],
     p: &RfMemParams,
     candidates: &mut usize,
 ) -> Result<(Vec<Found>, u32), Error> {
@@ -614,10 +624,22 @@ fn recollect(
         if *candidates + k * beam.len() > p.max_candidates.max(k) {
             break;
         }
-        *candidates += k * beam.len();
         rounds += 1;
-        let queries: Vec<f32> = beam.iter().flat_map(|b| b.q.iter().copied()).collect();
-        let results = store.search(&queries, k, p.min_score)?;
+        let results = if level == 0 && k <= probe.len() {
+            // The first round searches q0 alone: the probe's prefix.
+            vec![
+                probe
+                    .iter()
+                    .copied()
+                    .filter(|h| h.score >= p.min_score)
+                    .take(k)
+                    .collect(),
+            ]
+        } else {
+            *candidates += k * beam.len();
+            let queries: Vec<f32> = beam.iter().flat_map(|b| b.q.iter().copied()).collect();
+            store.search(&queries, k, p.min_score)?
+        };
         let mut next: Vec<Branch> = Vec::new();
         for (branch, hits) in beam.iter().zip(results) {
             let cands: Vec<Hit> = hits
