@@ -552,8 +552,16 @@ mod tests {
     use super::*;
     use crate::decode;
 
+    /// The package directory at run time. `cargo test` sets it for the test
+    /// process; the compile-time `env!` would name wherever the binary was built,
+    /// which with a target directory shared between clones may no longer exist.
+    fn manifest_dir() -> String {
+        std::env::var("CARGO_MANIFEST_DIR")
+            .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned())
+    }
+
     fn golden(name: &str, actual: &str) {
-        let path = format!("{}/golden/{name}.txt", env!("CARGO_MANIFEST_DIR"));
+        let path = format!("{}/golden/{name}.txt", manifest_dir());
         if std::env::var_os("STEAMRF_BLESS").is_some() {
             std::fs::write(&path, actual).unwrap();
         }

@@ -15,10 +15,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    Path::new(&manifest_dir()).parent().unwrap().to_path_buf()
 }
 
 /// The broker under test; fails loudly when none is listening.
@@ -612,4 +609,11 @@ impl Drop for Service {
         self.child.kill().ok();
         self.child.wait().ok();
     }
+}
+
+/// The package directory at run time. `cargo test` sets it for the test
+/// process; the compile-time `env!` would name wherever the binary was built,
+/// which with a target directory shared between clones may no longer exist.
+fn manifest_dir() -> String {
+    std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned())
 }

@@ -12,7 +12,7 @@ fn model_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("STEAMRF_MODEL_DIR") {
         return PathBuf::from(dir);
     }
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/models/all-MiniLM-L6-v2");
+    let dir = PathBuf::from(manifest_dir()).join("../.tools/models/all-MiniLM-L6-v2");
     assert!(
         dir.join("model.safetensors").exists(),
         "the MiniLM model is missing at {}: run scripts/tools.sh (or set STEAMRF_MODEL_DIR)",
@@ -341,4 +341,11 @@ fn remote_embedder_rejects_a_wrong_dimension() {
         let err = emb.embed(vec!["a".into()]).await.unwrap_err();
         assert!(err.to_string().contains("expected 384"), "{err}");
     });
+}
+
+/// The package directory at run time. `cargo test` sets it for the test
+/// process; the compile-time `env!` would name wherever the binary was built,
+/// which with a target directory shared between clones may no longer exist.
+fn manifest_dir() -> String {
+    std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned())
 }
