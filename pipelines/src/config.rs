@@ -132,6 +132,20 @@ pub struct SteamConfig {
     /// Device storage precision: f32 or f16.
     #[serde(deserialize_with = "kernel_precision")]
     pub precision: steamrf_kernels::cuda::Precision,
+    /// Where links, communities and prototypes are kept.
+    pub communities: CommunitiesMode,
+    /// The internal topic of memory changes (`communities = "topic"`).
+    pub changes_topic: String,
+}
+
+/// Where community maintenance runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommunitiesMode {
+    /// In this pipeline process (run one instance).
+    InProcess,
+    /// In one `steamrf communities` process fed by `changes_topic`.
+    Topic,
 }
 
 fn kernel_choice<'de, D: Deserializer<'de>>(
@@ -870,6 +884,22 @@ impl Config {
         }
         if v.search_threads == 0 || v.ivf_probes == 0 {
             p.push("serve.search_threads and serve.ivf_probes: must be > 0".to_owned());
+        }
+        if self.steam.communities == CommunitiesMode::Topic {
+            if !valid_topic(&self.steam.changes_topic) {
+                p.push(format!(
+                    "steam.changes_topic: {:?} is not a valid topic name",
+                    self.steam.changes_topic
+                ));
+            }
+            if self.kafka.topics.contains(&self.steam.changes_topic)
+                || self.steam.changes_topic == self.kafka.dead_letter_topic
+            {
+                p.push(
+                    "steam.changes_topic: must differ from kafka.topics and the dead-letter topic"
+                        .to_owned(),
+                );
+            }
         }
         if let Err(e) = v.rfmem.validate() {
             p.push(format!(

@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod communities;
 pub mod config;
 pub mod embed;
 pub mod error;

@@ -54,6 +54,18 @@ enum Cmd {
         #[arg(long)]
         listen: Option<SocketAddr>,
     },
+    /// Run the single community writer of the scaled-out write path (steam.communities = "topic") until SIGTERM.
+    Communities {
+        /// Pipeline configuration (TOML), the same file the ingest instances use.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+        /// Serve /metrics, /healthz and /readyz here.
+        #[arg(long, env = "STEAMRF_METRICS_ADDR", default_value = "127.0.0.1:9465")]
+        metrics_addr: SocketAddr,
+        /// Stop after this long without changes (once the partition is assigned).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        exit_when_idle: Option<Duration>,
+    },
     /// Check a configuration file (with defaults and environment applied) and report every problem.
     Validate {
         /// The file to check.
@@ -265,6 +277,25 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             .await
             .context("bench retrieve")?;
             Ok(print_lines(&lines))
+        }
+        Cmd::Communities {
+            config,
+            metrics_addr,
+            exit_when_idle,
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let signals = tokio::spawn(wait_for_signals(stop.clone()));
+            let result = steamrf_pipelines::communities::run(
+                config,
+                Some(metrics_addr),
+                exit_when_idle,
+                stop,
+            )
+            .await;
+            signals.abort();
+            result?;
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Validate { config } => match Config::load(Some(&config)) {
             Ok(c) => {

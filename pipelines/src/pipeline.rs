@@ -58,28 +58,78 @@ pub async fn run(
     stop: Arc<AtomicBool>,
 ) -> Result<RunSummary> {
     let ready = Arc::new(AtomicBool::new(false));
-    let server = match opts.metrics_addr {
-        Some(addr) => {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::Io {
-                    context: format!("binding the metrics address {addr}"),
-                    source,
-                })?;
-            tracing::info!(addr = %listener.local_addr().map_err(|source| Error::Io { context: "metrics address".into(), source })?, "Serving /metrics.");
-            Some(tokio::spawn(crate::http::serve(
-                listener,
-                metrics.clone(),
-                ready.clone(),
-            )))
-        }
-        None => None,
-    };
+    let server = metrics_server(opts.metrics_addr, &metrics, &ready).await?;
     let result = run_inner(config, opts, metrics, stop, ready).await;
     if let Some(s) = server {
         s.abort();
     }
     result
+}
+
+/// The chat client for memory and prototype contents (`None`: no URL).
+///
+/// # Errors
+/// [`Error::Config`] for unusable options.
+pub(crate) fn llm_client(
+    config: &Config,
+) -> Result<Option<Arc<steamrf_operators::llm::ChatClient>>> {
+    config
+        .steam
+        .llm
+        .options()
+        .map(|opts| {
+            steamrf_operators::llm::ChatClient::new(opts)
+                .map(Arc::new)
+                .map_err(|e| Error::Config {
+                    problems: vec![format!("steam.llm: {e}")],
+                })
+        })
+        .transpose()
+}
+
+/// The relation-extraction kernel (`steam.kernel`), exported as a metric.
+///
+/// # Errors
+/// [`Error::Config`] when the chosen backend cannot run.
+pub(crate) fn steam_kernel(
+    config: &Config,
+    metrics: &Metrics,
+) -> Result<Arc<dyn steamrf_kernels::SimilarityKernel>> {
+    let kernel = steamrf_kernels::cuda::select(config.steam.kernel, config.steam.precision)
+        .map_err(|e| Error::Config {
+            problems: vec![format!("steam.kernel: {e}")],
+        })?;
+    metrics
+        .kernel_backend
+        .with_label_values(&[kernel.backend().as_str()])
+        .set(1);
+    Ok(kernel)
+}
+
+/// Serves `/metrics`, `/healthz`, `/readyz` on `addr` until aborted.
+///
+/// # Errors
+/// The address cannot be bound.
+pub(crate) async fn metrics_server(
+    addr: Option<SocketAddr>,
+    metrics: &Metrics,
+    ready: &Arc<AtomicBool>,
+) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Io {
+            context: format!("binding the metrics address {addr}"),
+            source,
+        })?;
+    tracing::info!(addr = %listener.local_addr().map_err(|source| Error::Io { context: "metrics address".into(), source })?, "Serving /metrics.");
+    Ok(Some(tokio::spawn(crate::http::serve(
+        listener,
+        metrics.clone(),
+        ready.clone(),
+    ))))
 }
 
 async fn run_inner(
@@ -98,22 +148,24 @@ async fn run_inner(
     ));
     let mut steam = if config.steam.enabled {
         let db = crate::sink::connect(&config.lancedb).await?;
-        let llm = match config.steam.llm.options() {
-            Some(opts) => Some(Arc::new(
-                steamrf_operators::llm::ChatClient::new(opts).map_err(|e| Error::Config {
-                    problems: vec![format!("steam.llm: {e}")],
-                })?,
-            )),
-            None => None,
+        let llm = llm_client(&config)?;
+        let kernel = steam_kernel(&config, &metrics)?;
+        let publish = if config.steam.communities == crate::config::CommunitiesMode::Topic {
+            // One partition: the single community writer reads it in order.
+            source::ensure_topic(
+                &config.kafka.brokers,
+                &config.kafka.properties,
+                &config.steam.changes_topic,
+                1,
+            )
+            .await?;
+            Some(crate::steam::ChangePublisher::new(
+                source::dead_letter_producer(&config.kafka)?,
+                config.steam.changes_topic.clone(),
+            ))
+        } else {
+            None
         };
-        let kernel = steamrf_kernels::cuda::select(config.steam.kernel, config.steam.precision)
-            .map_err(|e| Error::Config {
-                problems: vec![format!("steam.kernel: {e}")],
-            })?;
-        metrics
-            .kernel_backend
-            .with_label_values(&[kernel.backend().as_str()])
-            .set(1);
         Some(
             SteamStage::open(
                 &db,
@@ -122,6 +174,7 @@ async fn run_inner(
                 embedder,
                 llm,
                 metrics.clone(),
+                publish,
             )
             .await?,
         )

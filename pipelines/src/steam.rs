@@ -43,6 +43,9 @@ use crate::sink::open_or_create_named;
 /// Attempts at writing one batch's STEAM tables before the pipeline stops.
 const PERSIST_ATTEMPTS: u32 = 8;
 
+/// The `items` columns an item's metadata is read from.
+const ITEM_COLUMNS: &[&str] = &["item_id", "title", "categories", "embedding"];
+
 /// An item's metadata and embedding, for observations of clicks and purchases.
 #[derive(Debug, Clone)]
 struct ItemMeta {
@@ -78,6 +81,95 @@ pub struct SteamStage {
     llm: Option<Arc<ChatClient>>,
     llm_tokens_seen: (u64, u64),
     metrics: Metrics,
+    /// Set on ingest instances when communities are kept by a separate
+    /// writer (`steam.communities = "topic"`).
+    publish: Option<ChangePublisher>,
+    /// The community writer: persists links and prototypes, never memories.
+    writer: bool,
+    /// The catalogue, for items another instance wrote.
+    items_table: Option<Table>,
+    /// Partition assignments seen (a new one reloads the memories).
+    assignments_seen: u64,
+}
+
+/// Publishes changed memories to the internal changes topic, for the
+/// community writer (`steamrf communities`).
+///
+/// Each record is an Arrow IPC stream of rows of the `memories` table (at
+/// most [`CHANGES_PER_RECORD`]), so the writer needs no table read to apply it.
+pub struct ChangePublisher {
+    producer: rdkafka::producer::FutureProducer,
+    topic: String,
+}
+
+/// Memories per changes record (~1.7 KB each: well under Kafka's 1 MB default).
+pub const CHANGES_PER_RECORD: usize = 256;
+
+impl ChangePublisher {
+    /// A publisher to `topic`.
+    pub fn new(producer: rdkafka::producer::FutureProducer, topic: String) -> Self {
+        Self { producer, topic }
+    }
+
+    /// Sends `batch` (rows of `memories`) and waits until the broker has it.
+    ///
+    /// # Errors
+    /// Encoding or delivery failures (retryable).
+    pub async fn publish(&self, batch: &RecordBatch) -> Result<usize> {
+        let mut deliveries = Vec::new();
+        let mut start = 0;
+        while start < batch.num_rows() {
+            let len = CHANGES_PER_RECORD.min(batch.num_rows() - start);
+            let bytes = encode_changes(&batch.slice(start, len))?;
+            let record: rdkafka::producer::FutureRecord<'_, (), [u8]> =
+                rdkafka::producer::FutureRecord::to(&self.topic).payload(&bytes);
+            let d = self
+                .producer
+                .send_result(record)
+                .map_err(|(e, _)| Error::kafka("queueing a memory change")(e))?;
+            deliveries.push(d);
+            start += len;
+        }
+        let records = deliveries.len();
+        for d in deliveries {
+            match d.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => return Err(Error::kafka("publishing memory changes")(e)),
+                Err(_) => {
+                    return Err(Error::Internal {
+                        message: "the changes producer was dropped".into(),
+                    });
+                }
+            }
+        }
+        Ok(records)
+    }
+}
+
+/// Arrow IPC stream bytes of `batch`.
+///
+/// # Errors
+/// Arrow failures.
+pub fn encode_changes(batch: &RecordBatch) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut w = arrow_ipc::writer::StreamWriter::try_new(&mut out, &batch.schema())?;
+    w.write(batch)?;
+    w.finish()?;
+    drop(w);
+    Ok(out)
+}
+
+/// The memories in one changes record.
+///
+/// # Errors
+/// A payload that is not an IPC stream of `memories` rows.
+pub fn decode_changes(bytes: &[u8]) -> Result<Vec<Memory>> {
+    let r = arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)?;
+    let mut out = Vec::new();
+    for b in r {
+        out.extend(memories_from(&b?)?);
+    }
+    Ok(out)
 }
 
 impl std::fmt::Debug for SteamStage {
@@ -137,6 +229,7 @@ impl SteamStage {
         embedder: Option<Arc<dyn Embedder>>,
         llm: Option<Arc<ChatClient>>,
         metrics: Metrics,
+        publish: Option<ChangePublisher>,
     ) -> Result<Self> {
         let started = Instant::now();
         let open = |t: MemoryTable| open_or_create_named(db, t.as_str(), t.schema());
@@ -151,16 +244,19 @@ impl SteamStage {
             llm,
             llm_tokens_seen: (0, 0),
             metrics,
+            publish,
+            writer: false,
+            items_table: None,
+            assignments_seen: 0,
         };
         stage.state = load_state(&stage.memories, &stage.links, params).await?;
-        let items = db
-            .open_table("items")
-            .execute()
-            .await
-            .map_err(Error::lance("opening items"))?;
-        for b in scan(&items, &["item_id", "title", "categories", "embedding"]).await? {
+        // Created here if no ingest instance has yet (the community writer
+        // may start first).
+        let items = crate::sink::open_or_create(db, steamrf_schemas::TableName::Items).await?;
+        for b in scan(&items, ITEM_COLUMNS).await? {
             stage.remember_items(&b);
         }
+        stage.items_table = Some(items);
         tracing::info!(
             memories = stage.state.len(),
             communities = stage.state.communities().count(),
@@ -195,6 +291,63 @@ impl SteamStage {
         }
     }
 
+    /// Reads the items `b`'s interactions refer to that are not known here
+    /// yet from the `items` table (by its key index).
+    async fn fetch_unknown_items(&mut self, b: &RecordBatch) -> Result<()> {
+        let (Some(items), Some(col)) = (&self.items_table, b.column_by_name("item_id")) else {
+            return Ok(());
+        };
+        let col = col.as_string::<i32>();
+        let mut unknown: Vec<String> = (0..b.num_rows())
+            .filter(|&r| col.is_valid(r) && !self.items.contains_key(col.value(r)))
+            .map(|r| col.value(r).to_owned())
+            .collect();
+        unknown.sort_unstable();
+        unknown.dedup();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        items
+            .checkout_latest()
+            .await
+            .map_err(Error::lance("refreshing items"))?;
+        let mut found = Vec::new();
+        for chunk in unknown.chunks(1000) {
+            let list = chunk
+                .iter()
+                .map(|k| format!("'{}'", k.replace('\'', "''")))
+                .collect::<Vec<_>>()
+                .join(",");
+            let batches: Vec<RecordBatch> = items
+                .query()
+                .only_if(format!("item_id IN ({list})"))
+                .select(Select::columns(ITEM_COLUMNS))
+                .execute()
+                .await
+                .map_err(Error::lance("looking up items"))?
+                .try_collect()
+                .await
+                .map_err(Error::lance("looking up items"))?;
+            found.extend(batches);
+        }
+        let before = self.items.len();
+        for f in &found {
+            self.remember_items(f);
+        }
+        tracing::debug!(
+            unknown = unknown.len(),
+            found = self.items.len() - before,
+            "Items looked up."
+        );
+        Ok(())
+    }
+
+    /// Makes this stage the community writer ([`Self::apply_changes`]).
+    pub fn into_writer(mut self) -> Self {
+        self.writer = true;
+        self
+    }
+
     /// Runs the write path for one written micro-batch and persists it.
     ///
     /// # Errors
@@ -202,12 +355,38 @@ impl SteamStage {
     pub async fn apply(&mut self, tables: &TableBatches) -> Result<SteamStats> {
         let started = Instant::now();
         let mut stats = SteamStats::default();
+        if self.publish.is_some() {
+            // Several ingest instances: after a rebalance this one may own
+            // users another instance evolved since; their memories are
+            // re-read from the table (written before that instance committed).
+            let assigned = self.metrics.rebalances.with_label_values(&["assign"]).get();
+            if assigned != self.assignments_seen {
+                // Handles read the version they last saw: move to the latest.
+                for t in [&self.memories, &self.links] {
+                    t.checkout_latest()
+                        .await
+                        .map_err(Error::lance("refreshing memories"))?;
+                }
+                self.state = load_state(&self.memories, &self.links, *self.state.params()).await?;
+                self.assignments_seen = assigned;
+                tracing::info!(
+                    memories = self.state.len(),
+                    "Partitions assigned: memories reloaded."
+                );
+            }
+        }
         if let Some(items) = &tables.items {
             self.remember_items(items);
         }
         let mut changed: Vec<MemoryId> = Vec::new();
         if let Some(p) = &tables.profiles {
             changed.extend(self.profiles(p).await?);
+        }
+        if self.publish.is_some()
+            && let Some(b) = &tables.interactions
+        {
+            // Other instances write items this one never saw in a batch.
+            self.fetch_unknown_items(b).await?;
         }
         let mut batch: Vec<(String, Observation)> = Vec::new();
         if let Some(b) = &tables.interactions {
@@ -272,10 +451,14 @@ impl SteamStage {
         if changed.is_empty() {
             return Ok(stats);
         }
-        let mut link = self
-            .state
-            .link(self.kernel.as_ref(), &changed)
-            .map_err(kernel_err)?;
+        // With a separate community writer, linking is its job.
+        let mut link = if self.publish.is_some() {
+            LinkOutcome::default()
+        } else {
+            self.state
+                .link(self.kernel.as_ref(), &changed)
+                .map_err(kernel_err)?
+        };
         if self.llm.is_some() {
             self.llm_contents(&changed, &mut link).await;
         }
@@ -283,10 +466,51 @@ impl SteamStage {
         stats.prototypes = link.prototypes.len() as u64;
         // Every write of `persist` is idempotent (upserts, and link rows
         // replaced per memory), so a retryable failure is retried as a whole.
+        self.persist_with_retries(&changed, &link).await?;
+        self.record(&stats, &link, started);
+        Ok(stats)
+    }
+
+    /// The community writer's step (`steamrf communities`): applies memories
+    /// changed by the ingest instances, re-links them, maintains the
+    /// communities and prototypes, and persists links and prototypes.
+    ///
+    /// # Errors
+    /// LanceDB failures; the changes are then not committed.
+    pub async fn apply_changes(&mut self, memories: Vec<Memory>) -> Result<SteamStats> {
+        let started = Instant::now();
+        let mut stats = SteamStats::default();
+        let mut changed: Vec<MemoryId> = Vec::with_capacity(memories.len());
+        for m in memories {
+            changed.push(m.id);
+            self.state.restore_memory(m).map_err(kernel_err)?;
+        }
+        changed.sort_unstable();
+        changed.dedup();
+        if changed.is_empty() {
+            return Ok(stats);
+        }
+        let mut link = self
+            .state
+            .link(self.kernel.as_ref(), &changed)
+            .map_err(kernel_err)?;
+        if self.llm.is_some() {
+            self.llm_contents(&[], &mut link).await;
+        }
+        stats.links = link.links.len() as u64;
+        stats.prototypes = link.prototypes.len() as u64;
+        self.persist_with_retries(&changed, &link).await?;
+        self.record(&stats, &link, started);
+        Ok(stats)
+    }
+
+    /// [`Self::persist`], retried as a whole on retryable errors (every write
+    /// in it is idempotent).
+    async fn persist_with_retries(&self, changed: &[MemoryId], link: &LinkOutcome) -> Result<()> {
         let mut attempt = 0;
         loop {
-            match self.persist(&changed, &link).await {
-                Ok(()) => break,
+            match self.persist(changed, link).await {
+                Ok(()) => return Ok(()),
                 Err(e) if e.retryable() && attempt + 1 < PERSIST_ATTEMPTS => {
                     self.metrics.error("steam", &e);
                     let wait = crate::error::backoff(attempt);
@@ -297,6 +521,9 @@ impl SteamStage {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    fn record(&self, stats: &SteamStats, link: &LinkOutcome, started: Instant) {
         self.metrics
             .steam_memories
             .with_label_values(&["formed"])
@@ -318,7 +545,6 @@ impl SteamStage {
         self.metrics
             .steam_duration
             .observe(started.elapsed().as_secs_f64());
-        Ok(stats)
     }
 
     /// Rewrites the content of changed memories and prototypes with the LLM.
@@ -443,14 +669,26 @@ impl SteamStage {
     }
 
     async fn persist(&self, changed: &[MemoryId], link: &LinkOutcome) -> Result<()> {
-        // Memories: the changed ones and those whose community id moved.
-        let mut ids: Vec<MemoryId> = changed.to_vec();
-        ids.extend(link.delta.moved.iter().copied());
-        ids.sort_unstable();
-        ids.dedup();
-        let mems: Vec<&Memory> = ids.iter().filter_map(|&id| self.state.memory(id)).collect();
-        let batch = memories_batch(&mems)?;
-        upsert(&self.memories, "memory_id", batch).await?;
+        if !self.writer {
+            // Memories: the changed ones and those whose community id moved.
+            let mut ids: Vec<MemoryId> = changed.to_vec();
+            ids.extend(link.delta.moved.iter().copied());
+            ids.sort_unstable();
+            ids.dedup();
+            let mems: Vec<&Memory> = ids.iter().filter_map(|&id| self.state.memory(id)).collect();
+            let batch = memories_batch(&mems)?;
+            upsert(&self.memories, "memory_id", batch.clone()).await?;
+            if let Some(p) = &self.publish {
+                // The table first: a change the writer sees is always durable.
+                let records = p.publish(&batch).await?;
+                tracing::debug!(
+                    memories = batch.num_rows(),
+                    records,
+                    "Memory changes published."
+                );
+                return Ok(());
+            }
+        }
         // Links: replace the re-linked memories' links.
         delete_ids(&self.links, "from_id", changed).await?;
         if !link.links.is_empty() {
@@ -472,6 +710,66 @@ impl SteamStage {
 }
 
 /// Deletes the rows whose `column` is one of `ids` (nothing when empty).
+/// The `memories` columns a [`Memory`] is read back from.
+const MEMORY_COLUMNS: &[&str] = &[
+    "memory_id",
+    "user_id",
+    "content",
+    "embedding",
+    "interaction_ids",
+    "item_ids",
+    "created_at",
+    "updated_at",
+    "version",
+    "facets",
+    "recent",
+];
+
+/// The memories in `b` (rows of the `memories` table; columns by name, at
+/// least [`MEMORY_COLUMNS`]). Rows without an embedding are skipped.
+///
+/// # Errors
+/// A missing column.
+pub fn memories_from(b: &RecordBatch) -> Result<Vec<Memory>> {
+    let col = |name: &str| {
+        b.column_by_name(name).ok_or_else(|| Error::Internal {
+            message: format!("memories batch without column {name}"),
+        })
+    };
+    let id = col("memory_id")?.as_primitive::<Int64Type>();
+    let user = col("user_id")?.as_string::<i32>();
+    let content = col("content")?.as_string::<i32>();
+    let emb = col("embedding")?;
+    let inter = col("interaction_ids")?;
+    let items = col("item_ids")?;
+    let created = col("created_at")?.as_primitive::<TimestampMillisecondType>();
+    let updated = col("updated_at")?.as_primitive::<TimestampMillisecondType>();
+    let version = col("version")?.as_primitive::<Int64Type>();
+    let facets = col("facets")?.as_string::<i32>();
+    let recent = col("recent")?;
+    let mut out = Vec::with_capacity(b.num_rows());
+    for r in 0..b.num_rows() {
+        let Some(embedding) = vector(emb, r) else {
+            continue;
+        };
+        out.push(Memory {
+            id: id.value(r) as u64,
+            user_id: user.value(r).to_owned(),
+            content: content.value(r).to_owned(),
+            embedding,
+            interactions: strings(inter, r),
+            items: strings(items, r),
+            community: None,
+            created_ms: created.value(r),
+            updated_ms: updated.value(r),
+            version: version.value(r) as u64,
+            facets: serde_json::from_str(facets.value(r)).unwrap_or_default(),
+            recent: strings(recent, r),
+        });
+    }
+    Ok(out)
+}
+
 /// Rebuilds a [`SteamState`] from the `memories` and `memory_links` tables
 /// (communities and deterministic prototypes recomputed). The pipeline
 /// restores its state with it on start, and the retrieval service reads the
@@ -485,50 +783,8 @@ pub async fn load_state(
     params: SteamParams,
 ) -> Result<SteamState> {
     let mut state = SteamState::new(params, EMBEDDING_DIM);
-    for b in scan(
-        memories,
-        &[
-            "memory_id",
-            "user_id",
-            "content",
-            "embedding",
-            "interaction_ids",
-            "item_ids",
-            "community_id",
-            "created_at",
-            "updated_at",
-            "version",
-            "facets",
-            "recent",
-        ],
-    )
-    .await?
-    {
-        let id = b.column(0).as_primitive::<Int64Type>();
-        let user = b.column(1).as_string::<i32>();
-        let content = b.column(2).as_string::<i32>();
-        let created = b.column(7).as_primitive::<TimestampMillisecondType>();
-        let updated = b.column(8).as_primitive::<TimestampMillisecondType>();
-        let version = b.column(9).as_primitive::<Int64Type>();
-        let facets = b.column(10).as_string::<i32>();
-        for r in 0..b.num_rows() {
-            let Some(embedding) = vector(b.column(3), r) else {
-                continue;
-            };
-            let m = Memory {
-                id: id.value(r) as u64,
-                user_id: user.value(r).to_owned(),
-                content: content.value(r).to_owned(),
-                embedding,
-                interactions: strings(b.column(4), r),
-                items: strings(b.column(5), r),
-                community: None,
-                created_ms: created.value(r),
-                updated_ms: updated.value(r),
-                version: version.value(r) as u64,
-                facets: serde_json::from_str(facets.value(r)).unwrap_or_default(),
-                recent: strings(b.column(11), r),
-            };
+    for b in scan(memories, MEMORY_COLUMNS).await? {
+        for m in memories_from(&b)? {
             state.restore_memory(m).map_err(kernel_err)?;
         }
     }
@@ -709,4 +965,51 @@ fn prototypes_batch(link: &LinkOutcome) -> Result<RecordBatch> {
             Arc::new(users.finish()),
         ],
     )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn memory(id: u64, user: &str) -> Memory {
+        Memory {
+            id,
+            user_id: user.into(),
+            content: format!("Interested in Jazz ({id})"),
+            embedding: (0..EMBEDDING_DIM)
+                .map(|i| (i as f32 + id as f32).sin())
+                .collect(),
+            interactions: vec![format!("e{id}"), format!("f{id}")],
+            items: vec!["jazz1".into()],
+            community: None,
+            created_ms: 1_000,
+            updated_ms: 2_000 + id as i64,
+            version: 3,
+            facets: BTreeMap::from([("Jazz".to_owned(), 2)]),
+            recent: vec!["Blue Train".into()],
+        }
+    }
+
+    #[test]
+    fn memory_changes_round_trip_through_arrow_ipc() {
+        let mems: Vec<Memory> = (0..(CHANGES_PER_RECORD as u64 + 3))
+            .map(|i| memory(i, if i % 2 == 0 { "ann" } else { "acme:ben" }))
+            .collect();
+        let refs: Vec<&Memory> = mems.iter().collect();
+        let batch = memories_batch(&refs).unwrap();
+        // What the publisher sends: one record per CHANGES_PER_RECORD rows.
+        let mut back = Vec::new();
+        let mut start = 0;
+        while start < batch.num_rows() {
+            let len = CHANGES_PER_RECORD.min(batch.num_rows() - start);
+            let bytes = encode_changes(&batch.slice(start, len)).unwrap();
+            back.extend(decode_changes(&bytes).unwrap());
+            start += len;
+        }
+        // Memories are normalised on the way into the state, not here.
+        assert_eq!(back, mems);
+        assert!(decode_changes(b"not arrow").is_err());
+    }
 }

@@ -678,3 +678,124 @@ fn kafka_events_to_a_retrieval_answer() {
     );
     assert!(pipeline.sigterm().success());
 }
+
+/// The scaled-out write path: two ingest instances (one consumer group, two
+/// partitions) form and consolidate memories and publish them to the changes
+/// topic; one `steamrf communities` process keeps links, communities and
+/// prototypes. The memories and published prototypes equal those of the
+/// in-process pipeline over the same events.
+#[test]
+fn scaled_out_community_writer_matches_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-scale");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    // More users, so that the user-keyed records spread over both partitions.
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    for u in 4..12 {
+        for i in 0..2 {
+            text.push_str(&format!(
+                "{{\"schema_version\":1,\"event_id\":\"{topic}-x{u}-{i}\",\"timestamp\":{},\"type\":\"click\",\"user_id\":\"user{u}\",\"item_id\":\"jazz{}\"}}\n",
+                1_764_000_100_000i64 + u * 10 + i,
+                (u + i) % 6
+            ));
+        }
+    }
+    std::fs::write(&file, &text).unwrap();
+    let (items, rest): (Vec<&str>, Vec<&str>) =
+        text.lines().partition(|l| l.contains(r#""type":"item""#));
+    let items_file = dir.path().join("items.jsonl");
+    let rest_file = dir.path().join("rest.jsonl");
+    std::fs::write(&items_file, items.join("\n") + "\n").unwrap();
+    std::fs::write(&rest_file, rest.join("\n") + "\n").unwrap();
+
+    // The reference: one in-process pipeline, one partition.
+    let base_dir = dir.path().join("base");
+    std::fs::create_dir(&base_dir).unwrap();
+    let base_topic = format!("{topic}-base");
+    produce_all(&base_topic, 1, &file);
+    let base = PipelineConfig {
+        dir: &base_dir,
+        topic: &base_topic,
+        group: &format!("{topic}-base"),
+        dlq: &format!("{topic}-base-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    base.run_to_idle("[steam]\nenabled = true\n");
+    let base_uri = base.lancedb_uri();
+
+    // Scaled out: two ingest instances and the writer, on their own tables.
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 4,
+        linger_ms: 100,
+    };
+    let config = cfg.write_with(&format!(
+        "[steam]\nenabled = true\ncommunities = \"topic\"\nchanges_topic = \"{topic}-changes\"\n"
+    ));
+    let uri = cfg.lancedb_uri();
+    let mut writer = Pipeline::start_command("communities", &config, None);
+    let mut a = Pipeline::start(&config, None);
+    let mut b = Pipeline::start(&config, None);
+    // Items first (either instance may write them), then the behaviour.
+    produce_all(&topic, 2, &items_file);
+    wait_count(
+        &uri,
+        "SELECT count(*) AS n FROM items",
+        9,
+        Duration::from_secs(90),
+    );
+    produce_all(&topic, 2, &rest_file);
+
+    let memories = "SELECT user_id, version, support, content FROM memories ORDER BY memory_id";
+    let prototypes = "SELECT users, content FROM prototypes ORDER BY content";
+    let want = (
+        sql_text(&base_uri, memories),
+        sql_text(&base_uri, prototypes),
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got = (
+            try_sql_text(&uri, memories).unwrap_or_default(),
+            try_sql_text(&uri, prototypes).unwrap_or_default(),
+        );
+        if got == want {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "scaled-out tables never matched.\nwant:\n{}\n{}\ngot:\n{}\n{}\nwriter log:\n{}\ningest logs:\n{}\n{}",
+            want.0,
+            want.1,
+            got.0,
+            got.1,
+            writer.log_text(),
+            a.log_text(),
+            b.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // How the group split the work (which partition each member got, and
+    // when, is up to the broker), and links stay across users.
+    let steps = |p: &Pipeline| p.metric("steamrf_steam_memory_steps_total").unwrap_or(0.0);
+    eprintln!(
+        "memory steps: instance a {}, instance b {}",
+        steps(&a),
+        steps(&b)
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memory_links WHERE from_user = to_user"
+        ),
+        0
+    );
+    assert!(sql_count(&uri, "SELECT count(*) AS n FROM memory_links") > 0);
+    for p in [&mut a, &mut b, &mut writer] {
+        assert!(p.sigterm().success(), "{}", p.log_text());
+    }
+}

@@ -261,10 +261,15 @@ fn free_port() -> u16 {
 
 impl Pipeline {
     pub fn start(config: &Path, exit_when_idle: Option<&str>) -> Self {
+        Self::start_command("run", config, exit_when_idle)
+    }
+
+    /// `steamrf <command> --config … --metrics-addr …` (`run` or `communities`).
+    pub fn start_command(command: &str, config: &Path, exit_when_idle: Option<&str>) -> Self {
         let metrics_port = free_port();
         let log = config.with_extension(format!("{metrics_port}.log"));
         let mut cmd = Command::new(steamrf_bin());
-        cmd.args(["run", "--config"])
+        cmd.args([command, "--config"])
             .arg(config)
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")]);
         if let Some(idle) = exit_when_idle {
@@ -411,6 +416,18 @@ pub fn sql_text(uri: &str, sql: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// The query's pretty-printed result; `None` if it fails (tables not created yet).
+pub fn try_sql_text(uri: &str, sql: &str) -> Option<String> {
+    let out = Command::new(steamrf_bin())
+        .args(["sql", sql])
+        .env("STEAMRF__LANCEDB__URI", uri)
+        .output()
+        .unwrap();
+    out.status
+        .success()
+        .then(|| String::from_utf8(out.stdout).unwrap())
 }
 
 /// As [`try_sql_count`], failing the test if the query fails.
