@@ -133,36 +133,25 @@ fn direct(dst: &mut [f32], lhs: &[f32], block: &[f32], rows: usize, dim: usize) 
     dispatch!(direct_scores, direct_body(dst, lhs, block, rows, dim))
 }
 
-mod simd {
-    #[cfg(target_arch = "x86_64")]
-    pub(super) mod avx512 {
-        #[target_feature(enable = "avx512f")]
-        pub(crate) fn direct_scores(
-            dst: &mut [f32],
-            lhs: &[f32],
-            block: &[f32],
-            rows: usize,
-            dim: usize,
-        ) {
-            super::super::direct_body(dst, lhs, block, rows, dim)
+macro_rules! direct_variant {
+    ($feature:literal, $module:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $module {
+            #[target_feature(enable = $feature)]
+            pub(super) fn direct_scores(
+                dst: &mut [f32],
+                lhs: &[f32],
+                block: &[f32],
+                rows: usize,
+                dim: usize,
+            ) {
+                super::direct_body(dst, lhs, block, rows, dim)
+            }
         }
-    }
-    #[cfg(target_arch = "x86_64")]
-    pub(super) mod avx2 {
-        #[target_feature(enable = "avx2,fma")]
-        pub(crate) fn direct_scores(
-            dst: &mut [f32],
-            lhs: &[f32],
-            block: &[f32],
-            rows: usize,
-            dim: usize,
-        ) {
-            super::super::direct_body(dst, lhs, block, rows, dim)
-        }
-    }
+    };
 }
-#[cfg(target_arch = "x86_64")]
-use simd::{avx2, avx512};
+direct_variant!("avx512f", avx512);
+direct_variant!("avx2,fma", avx2);
 
 /// One pass over the block's rows, each dotted with every query while it is
 /// in cache.

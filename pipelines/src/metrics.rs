@@ -96,6 +96,32 @@ pub struct Metrics {
     pub kernel_backend: IntGaugeVec,
 }
 
+/// The text exposition of `r`.
+pub(crate) fn render(r: &Registry) -> String {
+    let mut buf = Vec::new();
+    TextEncoder::new()
+        .encode(&r.gather(), &mut buf)
+        .expect("text encoding cannot fail");
+    String::from_utf8(buf).expect("exposition is UTF-8")
+}
+
+/// Asserts every metric family in `text` is documented in docs/metrics.md
+/// and that there are at least `min` of them.
+#[cfg(test)]
+pub(crate) fn assert_documented(text: &str, min: usize) {
+    let docs = include_str!("../../docs/metrics.md");
+    let mut names = 0;
+    for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let name = line.split_whitespace().nth(2).unwrap_or_default();
+        assert!(
+            docs.contains(&format!("`{name}`")),
+            "{name} is missing from docs/metrics.md"
+        );
+        names += 1;
+    }
+    assert!(names >= min, "{text}");
+}
+
 pub(crate) fn int_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
@@ -425,11 +451,7 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding cannot fail");
-        String::from_utf8(buf).expect("exposition is UTF-8")
+        render(&self.registry)
     }
 
     /// Counts one error.
@@ -464,17 +486,7 @@ mod tests {
     fn every_metric_is_documented_and_labels_are_closed() {
         let m = Metrics::new(&["events".to_owned()]);
         let text = m.render();
-        let docs = include_str!("../../docs/metrics.md");
-        let mut names = 0;
-        for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
-            let name = line.split_whitespace().nth(2).unwrap();
-            assert!(
-                docs.contains(&format!("`{name}`")),
-                "{name} is missing from docs/metrics.md"
-            );
-            names += 1;
-        }
-        assert!(names >= 20, "{text}");
+        assert_documented(&text, 20);
         for forbidden in ["user_id", "event_id", "partition=\""] {
             assert!(
                 !text.contains(forbidden),

@@ -118,6 +118,21 @@ pub struct Tables {
     open: BTreeMap<&'static str, Table>,
 }
 
+/// The `interactions` columns a corpus is built from, in the order `build` reads them.
+const INTERACTION_COLUMNS: &[&str] = &[
+    "event_id",
+    "kind",
+    "user_id",
+    "timestamp",
+    "item_id",
+    "session_id",
+    "role",
+    "text",
+    "embedding",
+    "source_partition",
+    "source_offset",
+];
+
 /// Every table read, in a fixed order.
 pub const TABLES: [&str; 5] = [
     "interactions",
@@ -202,24 +217,7 @@ impl Tables {
         versions: BTreeMap<&'static str, u64>,
     ) -> Result<Snapshot> {
         let started = Instant::now();
-        let interactions = self
-            .scan(
-                "interactions",
-                &[
-                    "event_id",
-                    "kind",
-                    "user_id",
-                    "timestamp",
-                    "item_id",
-                    "session_id",
-                    "role",
-                    "text",
-                    "embedding",
-                    "source_partition",
-                    "source_offset",
-                ],
-            )
-            .await?;
+        let interactions = self.scan("interactions", INTERACTION_COLUMNS).await?;
         let items = self
             .scan("items", &["item_id", "title", "embedding"])
             .await?;
@@ -521,22 +519,7 @@ mod tests {
         let inter = with_embeddings(&t.interactions.unwrap(), &[0, 1, 2], &vecs).unwrap();
         let items = with_embeddings(&t.items.unwrap(), &[0], &axis(3)).unwrap();
         (
-            project(
-                &inter,
-                &[
-                    "event_id",
-                    "kind",
-                    "user_id",
-                    "timestamp",
-                    "item_id",
-                    "session_id",
-                    "role",
-                    "text",
-                    "embedding",
-                    "source_partition",
-                    "source_offset",
-                ],
-            ),
+            project(&inter, INTERACTION_COLUMNS),
             project(&items, &["item_id", "title", "embedding"]),
         )
     }

@@ -4,8 +4,8 @@ use std::time::Instant;
 
 use axum::http::StatusCode;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
-    Registry, TextEncoder, exponential_buckets,
+    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Registry,
+    exponential_buckets,
 };
 use steamrf_operators::rfmem::{Answer, Path, Rule};
 
@@ -184,11 +184,7 @@ impl ServeMetrics {
 
     /// The text exposition.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding cannot fail");
-        String::from_utf8(buf).expect("exposition is UTF-8")
+        crate::metrics::render(&self.registry)
     }
 
     /// Counts a finished request (`error`: its status, if it failed).
