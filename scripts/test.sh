@@ -27,6 +27,9 @@ t0=$(date +%s)
 # The e2e tests run the steamrf binary, so build every target first.
 cargo build --workspace --all-targets --locked
 echo "test: build took $(( $(date +%s) - t0 ))s (target dir $CARGO_TARGET_DIR)"
+t0=$(date +%s)
+scripts/helm-check.sh "$CARGO_TARGET_DIR/debug/steamrf"
+echo "test: helm chart checks took $(( $(date +%s) - t0 ))s"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast
 else

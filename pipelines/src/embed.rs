@@ -190,12 +190,26 @@ impl EmbedStage {
         if self.embedder.is_none() {
             return Ok(());
         }
+        let started = Instant::now();
+        let texts_before = self.metrics.total_texts_embedded();
+        let rows = tables
+            .interactions
+            .as_ref()
+            .map_or(0, RecordBatch::num_rows)
+            + tables.items.as_ref().map_or(0, RecordBatch::num_rows);
         if let Some(batch) = tables.interactions.take() {
             tables.interactions = Some(self.dialogue(sink, batch).await?);
         }
         if let Some(batch) = tables.items.take() {
             tables.items = self.items(sink, batch).await?;
         }
+        let op = |d: &str| self.metrics.operator_rows.with_label_values(&["embed", d]);
+        op("in").inc_by(rows as u64);
+        op("out").inc_by(self.metrics.total_texts_embedded() - texts_before);
+        self.metrics
+            .operator_duration
+            .with_label_values(&["embed"])
+            .observe(started.elapsed().as_secs_f64());
         Ok(())
     }
 

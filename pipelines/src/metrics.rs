@@ -94,6 +94,14 @@ pub struct Metrics {
     pub llm_tokens: IntCounterVec,
     /// 1 for the similarity kernel backend in use (cpu, cuda).
     pub kernel_backend: IntGaugeVec,
+    /// Duration of one relation-extraction kernel call (batch cosine + top-k).
+    pub kernel_duration: Histogram,
+    /// Members of the largest community.
+    pub steam_community_size_max: IntGauge,
+    /// Rows into and out of each operator, by operator and direction.
+    pub operator_rows: IntCounterVec,
+    /// Duration of each operator per micro-batch, by operator.
+    pub operator_duration: HistogramVec,
 }
 
 /// The text exposition of `r`.
@@ -399,8 +407,48 @@ impl Metrics {
                 "1 for the similarity kernel backend relation extraction uses.",
                 &["backend"],
             ),
+            kernel_duration: histogram(
+                &r,
+                "steamrf_kernel_duration_seconds",
+                "Duration of one relation-extraction kernel call (batch cosine similarity + top-k).",
+                exponential_buckets(0.0001, 2.0, 20).expect("valid buckets"),
+            ),
+            steam_community_size_max: {
+                let g = IntGauge::new(
+                    "steamrf_steam_community_size_max",
+                    "Memories in the largest community.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
+            operator_rows: counter(
+                &r,
+                "steamrf_operator_rows_total",
+                "Rows into and out of each operator (embed: rows in, texts embedded out; steam: observations in, memories changed out), by operator and direction.",
+                &["operator", "direction"],
+            ),
+            operator_duration: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(
+                        "steamrf_operator_duration_seconds",
+                        "Duration of each operator for one micro-batch, by operator (embed, steam).",
+                    )
+                    .buckets(exponential_buckets(0.0005, 2.0, 18).expect("valid buckets")),
+                    &["operator"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
             registry: r,
         };
+        for op in ["embed", "steam"] {
+            m.operator_duration.with_label_values(&[op]);
+            for d in ["in", "out"] {
+                m.operator_rows.with_label_values(&[op, d]);
+            }
+        }
         for k in ["formed", "consolidated"] {
             m.steam_memories.with_label_values(&[k]);
         }

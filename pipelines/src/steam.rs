@@ -545,6 +545,26 @@ impl SteamStage {
         self.metrics
             .steam_duration
             .observe(started.elapsed().as_secs_f64());
+        if !link.extract_time.is_zero() {
+            self.metrics
+                .kernel_duration
+                .observe(link.extract_time.as_secs_f64());
+            let largest = self
+                .state
+                .communities()
+                .iter()
+                .map(|(_, m)| m.len())
+                .max()
+                .unwrap_or(0);
+            self.metrics.steam_community_size_max.set(largest as i64);
+        }
+        let op = |d: &str| self.metrics.operator_rows.with_label_values(&["steam", d]);
+        op("in").inc_by(stats.formed + stats.consolidated + stats.skipped);
+        op("out").inc_by(stats.formed + stats.consolidated);
+        self.metrics
+            .operator_duration
+            .with_label_values(&["steam"])
+            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Rewrites the content of changed memories and prototypes with the LLM.

@@ -799,3 +799,136 @@ fn scaled_out_community_writer_matches_in_process() {
         assert!(p.sigterm().success(), "{}", p.log_text());
     }
 }
+
+/// Every process's `/metrics` passes `promtool check metrics`, and every
+/// Grafana dashboard query parses (as a recording rule, by `promtool check
+/// rules`) and names only metrics those processes export.
+#[test]
+fn metrics_pass_promtool_and_dashboards_use_exported_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-metrics");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    produce_all(&topic, 1, &file);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let config = cfg.write_with(&format!(
+        "[steam]\nenabled = true\ncommunities = \"topic\"\nchanges_topic = \"{topic}-changes\"\n"
+    ));
+    let writer = Pipeline::start_command("communities", &config, None);
+    let pipeline = Pipeline::start(&config, None);
+    let events = std::fs::read_to_string(&file).unwrap().lines().count() as f64;
+    pipeline.wait_metric(
+        "steamrf_source_records_committed_total",
+        |v| v >= events,
+        Duration::from_secs(90),
+    );
+    writer.wait_metric(
+        "steamrf_source_records_committed_total",
+        |v| v >= 1.0,
+        Duration::from_secs(60),
+    );
+    let service = Service::start(&config);
+    let (status, _) = service.post(
+        "/v1/retrieve",
+        None,
+        r#"{"user_id":"user3","query":"jazz","k":3}"#,
+    );
+    assert_eq!(status, 200);
+
+    let promtool = std::env::var("STEAMRF_PROMTOOL").unwrap_or_else(|_| "promtool".into());
+    let mut families = std::collections::BTreeSet::new();
+    for (name, port) in [
+        ("run", pipeline.metrics_port),
+        ("communities", writer.metrics_port),
+        ("serve", service.port),
+    ] {
+        let text = http_get(port, "/metrics").unwrap();
+        let mut child = std::process::Command::new(&promtool)
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("promtool (Debian package prometheus; scripts/tools.sh installs it)");
+        use std::io::Write as _;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool check metrics on {name}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for l in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+            let mut parts = l.split_whitespace().skip(2);
+            let (n, ty) = (parts.next().unwrap(), parts.next().unwrap());
+            families.insert(n.to_owned());
+            if ty == "histogram" {
+                for s in ["_bucket", "_sum", "_count"] {
+                    families.insert(format!("{n}{s}"));
+                }
+            }
+        }
+    }
+
+    // Every panel query: a recording rule for promtool, and its metric names.
+    let mut rules = String::from("groups:\n  - name: dashboards\n    rules:\n");
+    let mut used = std::collections::BTreeSet::new();
+    let dashboards = repo_root().join("helm/steamrf/dashboards");
+    let mut queries = 0;
+    for entry in std::fs::read_dir(&dashboards).unwrap() {
+        let path = entry.unwrap().path();
+        let d: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for p in d["panels"].as_array().unwrap() {
+            for t in p["targets"].as_array().unwrap() {
+                let expr = t["expr"].as_str().unwrap();
+                queries += 1;
+                rules.push_str(&format!(
+                    "      - record: steamrf:dashboard:q{queries}\n        expr: {}\n",
+                    serde_json::to_string(expr).unwrap()
+                ));
+                let mut rest = expr;
+                while let Some(i) = rest.find("steamrf_") {
+                    let name: String = rest[i..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    rest = &rest[i + name.len()..];
+                    used.insert(name);
+                }
+            }
+        }
+    }
+    assert!(queries >= 20, "{queries} dashboard queries");
+    let rules_file = dir.path().join("dashboards.rules.yml");
+    std::fs::write(&rules_file, &rules).unwrap();
+    let out = std::process::Command::new(&promtool)
+        .args(["check", "rules"])
+        .arg(&rules_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check rules:\n{}{}\n{rules}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let missing: Vec<&String> = used.iter().filter(|n| !families.contains(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "dashboards use metrics no process exports: {missing:?}"
+    );
+}

@@ -113,6 +113,8 @@ pub struct LinkOutcome {
     pub prototypes: Vec<Prototype>,
     /// Prototypes withdrawn (community gone, or below the user floor).
     pub prototypes_removed: Vec<MemoryId>,
+    /// Time in the relation-extraction kernel call.
+    pub extract_time: std::time::Duration,
 }
 
 /// The whole write-path state.
@@ -287,9 +289,11 @@ impl SteamState {
         changed: &[MemoryId],
     ) -> Result<LinkOutcome, steamrf_kernels::Error> {
         let mut out = LinkOutcome::default();
+        let started = std::time::Instant::now();
         let found = self
             .index
             .extract(kernel, changed, self.params.k1, self.params.link_tau)?;
+        out.extract_time = started.elapsed();
         let mut new_links: BTreeMap<MemoryId, Vec<Link>> =
             changed.iter().map(|&id| (id, Vec::new())).collect();
         for l in found {
