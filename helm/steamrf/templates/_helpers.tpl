@@ -63,13 +63,18 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
     optional: true
 {{- end -}}
 
-{{/* Volumes: the config, the tokens, a writable /tmp. */}}
+{{/* Volumes: the config, a writable /tmp, and the Kafka TLS files if any. */}}
 {{- define "steamrf.volumes" -}}
 - name: config
   configMap:
     name: {{ include "steamrf.fullname" . }}-config
 - name: tmp
   emptyDir: {}
+{{- with .Values.secrets.kafkaTlsSecret }}
+- name: kafka-tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "steamrf.volumeMounts" -}}
@@ -78,6 +83,11 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
   readOnly: true
 - name: tmp
   mountPath: /tmp
+{{- if .Values.secrets.kafkaTlsSecret }}
+- name: kafka-tls
+  mountPath: /etc/steamrf-kafka-tls
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/* Probes on a port's /healthz and /readyz. */}}
