@@ -11,6 +11,7 @@ pub mod communities;
 pub mod config;
 pub mod embed;
 pub mod error;
+pub mod eval;
 pub mod http;
 pub mod metrics;
 pub mod pipeline;

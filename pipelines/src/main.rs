@@ -79,10 +79,34 @@ enum Cmd {
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
     },
+    /// The papers' evaluation protocols on their data (see the README's results).
+    Eval {
+        #[command(subcommand)]
+        which: EvalCmd,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         which: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum EvalCmd {
+    /// RF-Mem on PersonaBench with the official protocol: Recall@5/10 and NDCG for familiarity, recollection and RF-Mem, by question type, with α and τ swept.
+    Rfmem {
+        /// PersonaBench data (the directory holding eval_data_v1, or it).
+        #[arg(long)]
+        data: PathBuf,
+        /// Where the markdown table goes.
+        #[arg(long, default_value = "results")]
+        out: PathBuf,
+        /// Noise level of the private data.
+        #[arg(long, default_value = "0.0")]
+        noise: String,
+        /// Configuration, for [embed] (defaults: all-MiniLM-L6-v2 in process).
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
     },
 }
 
@@ -296,6 +320,26 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             signals.abort();
             result?;
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Eval {
+            which:
+                EvalCmd::Rfmem {
+                    data,
+                    out,
+                    noise,
+                    config,
+                },
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let lines = steamrf_pipelines::eval::rfmem(steamrf_pipelines::eval::RfMemEval {
+                data,
+                embed: config.embed,
+                out,
+                noise,
+            })
+            .await
+            .context("eval rfmem")?;
+            Ok(print_lines(&lines))
         }
         Cmd::Validate { config } => match Config::load(Some(&config)) {
             Ok(c) => {
