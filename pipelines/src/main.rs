@@ -93,6 +93,24 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum EvalCmd {
+    /// The STEAM ranking protocol on the AgentCF Amazon CDs samples: NDCG@1/5/10 for steamrf, its ablations and baselines.
+    Steam {
+        /// The amazon_cds_agentcf directory.
+        #[arg(long)]
+        data: PathBuf,
+        /// dense or sparse.
+        #[arg(long, default_value = "dense", value_parser = ["dense", "sparse"])]
+        subset: String,
+        /// Candidate shuffle seeds (comma-separated).
+        #[arg(long, default_value = "1,2,3", value_delimiter = ',')]
+        seeds: Vec<u64>,
+        /// Where the markdown table goes.
+        #[arg(long, default_value = "results")]
+        out: PathBuf,
+        /// Configuration, for [embed].
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+    },
     /// RF-Mem on PersonaBench with the official protocol: Recall@5/10 and NDCG for familiarity, recollection and RF-Mem, by question type, with α and τ swept.
     Rfmem {
         /// PersonaBench data (the directory holding eval_data_v1, or it).
@@ -320,6 +338,28 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             signals.abort();
             result?;
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Eval {
+            which:
+                EvalCmd::Steam {
+                    data,
+                    subset,
+                    seeds,
+                    out,
+                    config,
+                },
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let lines = steamrf_pipelines::eval::steam(steamrf_pipelines::eval::SteamEval {
+                data,
+                subset,
+                seeds,
+                embed: config.embed,
+                out,
+            })
+            .await
+            .context("eval steam")?;
+            Ok(print_lines(&lines))
         }
         Cmd::Eval {
             which:

@@ -4,5 +4,7 @@
 
 pub mod pyjson;
 mod rfmem;
+mod steam;
 
 pub use rfmem::{RfMemEval, rfmem};
+pub use steam::{SteamEval, steam};

@@ -1,0 +1,494 @@
+//! `steamrf eval steam --data DIR --subset dense|sparse`: the STEAM ranking
+//! protocol on the AgentCF Amazon CDs samples (100 users, 8 chronological
+//! interactions each; ../shared/data/README.md).
+//!
+//! For each user the first 7 interactions are the history and the 8th the
+//! target; candidates come from the `.random` file (drop the target if
+//! present, take the first 9, append the target, shuffle with the seed).
+//! Items are `The CD is called '{title}'. The category of this CD is:
+//! '{category}'.`, embedded by all-MiniLM-L6-v2.
+//!
+//! steamrf runs through its operators: every history becomes item and click
+//! events, decoded by the schemas crate, observed by the STEAM state in
+//! event-time order (formation and consolidation), linked across users
+//! (relation extraction on the CPU kernel, communities, prototypes), and the
+//! candidates ranked by `recommend`. Ablations: w/o CC (no collaborative
+//! terms), w/o MC (no consolidation), w/o AMU (one memory per user).
+//! Baselines in the same run: random, popularity, item-item CF, BM25 over the
+//! item texts. NDCG@1/5/10, mean ± std over the seeds.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rand::seq::SliceRandom;
+use rand::{SeedableRng, rngs::StdRng};
+use steamrf_kernels::cpu::CpuKernel;
+use steamrf_operators::steam::memory::{EvolveParams, Observation};
+use steamrf_operators::steam::retrieve::RecommendParams;
+use steamrf_operators::steam::{SteamParams, SteamState};
+use steamrf_schemas::{Event, decode};
+
+use crate::config::EmbedConfig;
+use crate::error::{Error, Result};
+
+/// Options of `steamrf eval steam`.
+#[derive(Debug, Clone)]
+pub struct SteamEval {
+    /// The amazon_cds_agentcf directory.
+    pub data: PathBuf,
+    /// dense or sparse.
+    pub subset: String,
+    /// Shuffle seeds.
+    pub seeds: Vec<u64>,
+    /// The embedder.
+    pub embed: EmbedConfig,
+    /// Where the markdown table goes.
+    pub out: PathBuf,
+}
+
+struct User {
+    id: String,
+    history: Vec<String>,
+    target: String,
+    negatives: Vec<String>,
+}
+
+fn read(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| Error::Io {
+        context: format!("reading {}", path.display()),
+        source,
+    })
+}
+
+fn bad(what: String) -> Error {
+    Error::Config {
+        problems: vec![format!("CDs data: {what}")],
+    }
+}
+
+/// The users of one sample: test.inter gives history and target, .random the negatives.
+fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
+    let random: HashMap<String, Vec<String>> = read(&dir.join(format!("{name}.random")))?
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.split('\t');
+            let u = it.next()?.to_owned();
+            Some((
+                u,
+                it.next()?.split_whitespace().map(str::to_owned).collect(),
+            ))
+        })
+        .collect();
+    let mut out = Vec::new();
+    for l in read(&dir.join(format!("{name}.test.inter")))?
+        .lines()
+        .skip(1)
+    {
+        let f: Vec<&str> = l.split('\t').collect();
+        let [u, hist, target] = f[..] else {
+            return Err(bad(format!("bad test.inter line {l:?}")));
+        };
+        let negatives: Vec<String> = random
+            .get(u)
+            .ok_or_else(|| bad(format!("user {u} missing from .random")))?
+            .iter()
+            .filter(|i| *i != target)
+            .take(9)
+            .cloned()
+            .collect();
+        out.push(User {
+            id: u.to_owned(),
+            history: hist.split_whitespace().map(str::to_owned).collect(),
+            target: target.to_owned(),
+            negatives,
+        });
+    }
+    Ok(out)
+}
+
+fn ndcg_at(rank: usize, k: usize) -> f64 {
+    if rank < k {
+        1.0 / ((rank + 2) as f64).log2()
+    } else {
+        0.0
+    }
+}
+
+/// A ranker: candidates (in the shuffled order) → scores (higher is better;
+/// ties keep the shuffled order).
+type Ranker<'a> = Box<dyn Fn(&User, &[String]) -> Vec<f64> + 'a>;
+
+/// BM25 (k1 = 1.2, b = 0.75) of each candidate's text against the history's texts.
+struct Bm25 {
+    docs: HashMap<String, Vec<String>>,
+    df: HashMap<String, usize>,
+    n: usize,
+    avg: f64,
+}
+
+fn tokens(s: &str) -> Vec<String> {
+    s.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect()
+}
+
+impl Bm25 {
+    fn new(texts: &HashMap<String, String>) -> Self {
+        let docs: HashMap<String, Vec<String>> =
+            texts.iter().map(|(k, v)| (k.clone(), tokens(v))).collect();
+        let mut df = HashMap::new();
+        for d in docs.values() {
+            for t in d.iter().collect::<HashSet<_>>() {
+                *df.entry(t.clone()).or_insert(0) += 1;
+            }
+        }
+        let n = docs.len().max(1);
+        let avg = docs.values().map(Vec::len).sum::<usize>() as f64 / n as f64;
+        Self { docs, df, n, avg }
+    }
+
+    fn score(&self, query: &[String], doc: &str) -> f64 {
+        let Some(d) = self.docs.get(doc) else {
+            return 0.0;
+        };
+        let len = d.len() as f64;
+        query
+            .iter()
+            .map(|q| {
+                let tf = d.iter().filter(|t| *t == q).count() as f64;
+                if tf == 0.0 {
+                    return 0.0;
+                }
+                let df = *self.df.get(q).unwrap_or(&0) as f64;
+                let idf = ((self.n as f64 - df + 0.5) / (df + 0.5) + 1.0).ln();
+                idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len / self.avg))
+            })
+            .sum()
+    }
+}
+
+type Items = HashMap<String, (String, String, Vec<f32>)>;
+
+/// Ranks by the STEAM state's `recommend`.
+fn steam_ranker<'a>(state: &'a SteamState, items: &'a Items, p: RecommendParams) -> Ranker<'a> {
+    Box::new(move |u: &User, cands: &[String]| {
+        let c: Vec<(String, Vec<f32>)> = cands
+            .iter()
+            .filter_map(|i| items.get(i).map(|(_, _, e)| (i.clone(), e.clone())))
+            .collect();
+        let ranked = state.recommend(&u.id, &c, &p);
+        let score: HashMap<&str, f64> = ranked
+            .iter()
+            .map(|r| (r.item_id.as_str(), f64::from(r.score)))
+            .collect();
+        cands
+            .iter()
+            .map(|i| score.get(i.as_str()).copied().unwrap_or(f64::MIN))
+            .collect()
+    })
+}
+
+/// Runs STEAM's operators over every user's history and returns the state.
+fn steam_state(users: &[User], items: &Items, params: SteamParams) -> Result<SteamState> {
+    let mut state = SteamState::new(params, steamrf_schemas::tables::EMBEDDING_DIM);
+    let kernel = CpuKernel::default();
+    // Position by position (t = 0..6), all users' events of a position form
+    // one micro-batch, as a stream would deliver them.
+    let len = users.iter().map(|u| u.history.len()).max().unwrap_or(0);
+    for t in 0..len {
+        let mut lines = Vec::new();
+        for u in users {
+            if let Some(item) = u.history.get(t) {
+                lines.push(serde_json::json!({
+                    "schema_version": 1, "type": "click",
+                    "event_id": format!("{}-{t}", u.id), "timestamp": 1_700_000_000_000i64 + t as i64 * 1000,
+                    "user_id": u.id, "item_id": item,
+                }).to_string());
+            }
+        }
+        let mut batch = Vec::new();
+        for l in &lines {
+            let Event::Interaction(e) = decode(l.as_bytes()).map_err(|e| Error::Internal {
+                message: format!("an eval event did not decode: {e}"),
+            })?
+            else {
+                continue;
+            };
+            let item = e.item_id.as_deref().unwrap_or_default();
+            let Some((title, category, emb)) = items.get(item) else {
+                continue;
+            };
+            batch.push((
+                e.user_id.to_string(),
+                Observation {
+                    event_id: e.event_id.to_string(),
+                    timestamp_ms: e.timestamp_ms,
+                    embedding: emb.clone(),
+                    item_id: Some(item.to_owned()),
+                    title: Some(title.clone()),
+                    categories: category.split("; ").map(str::to_owned).collect(),
+                    text: None,
+                },
+            ));
+        }
+        let o = state.observe(batch).map_err(|e| Error::Internal {
+            message: e.to_string(),
+        })?;
+        state
+            .link(&kernel, &o.changed)
+            .map_err(|e| Error::Internal {
+                message: e.to_string(),
+            })?;
+    }
+    Ok(state)
+}
+
+/// Runs the evaluation.
+///
+/// # Errors
+/// Missing data or embedding failures.
+pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
+    let started = Instant::now();
+    let name = format!("CDs-100-user-{}", e.subset);
+    let dir = e.data.join(&name);
+    let users = users(&dir, &name)?;
+    let mut needed: HashSet<String> = HashSet::new();
+    for u in &users {
+        needed.extend(u.history.iter().cloned());
+        needed.extend(u.negatives.iter().cloned());
+        needed.insert(u.target.clone());
+    }
+    let mut meta: HashMap<String, (String, String)> = HashMap::new();
+    for l in read(&e.data.join("CDs.item"))?.lines().skip(1) {
+        let f: Vec<&str> = l.split('\t').collect();
+        if f.len() >= 2 && needed.contains(f[0]) {
+            meta.insert(
+                f[0].to_owned(),
+                (f[1].to_owned(), f.get(2).copied().unwrap_or("").to_owned()),
+            );
+        }
+    }
+    let ids: Vec<String> = {
+        let mut v: Vec<String> = meta.keys().cloned().collect();
+        v.sort();
+        v
+    };
+    let texts: HashMap<String, String> = ids
+        .iter()
+        .map(|i| {
+            let (t, c) = &meta[i];
+            (
+                i.clone(),
+                format!("The CD is called '{t}'. The category of this CD is: '{c}'."),
+            )
+        })
+        .collect();
+    let embedder = crate::embed::embedder(&e.embed)?.ok_or_else(|| Error::Config {
+        problems: vec!["embed.engine: eval steam needs an embedder".into()],
+    })?;
+    let t = Instant::now();
+    let emb = embedder
+        .embed(ids.iter().map(|i| texts[i].clone()).collect())
+        .await
+        .map_err(|e| Error::Embed {
+            retryable: false,
+            source: Box::new(e),
+        })?;
+    let dim = emb.dim;
+    let items: Items = ids
+        .iter()
+        .enumerate()
+        .map(|(k, i)| {
+            let (t, c) = &meta[i];
+            (
+                i.clone(),
+                (
+                    t.clone(),
+                    c.clone(),
+                    emb.vectors[k * dim..(k + 1) * dim].to_vec(),
+                ),
+            )
+        })
+        .collect();
+    let mut out = vec![format!(
+        "eval steam: Amazon CDs {} ({} users, {} items embedded in {:.1} s), seeds {:?}",
+        e.subset,
+        users.len(),
+        ids.len(),
+        t.elapsed().as_secs_f64(),
+        e.seeds
+    )];
+
+    let full = SteamParams::default();
+    let no_mc = SteamParams {
+        evolve: EvolveParams {
+            consolidate: false,
+            ..full.evolve
+        },
+        ..full
+    };
+    let no_amu = SteamParams {
+        evolve: EvolveParams {
+            max_memories_per_user: 1,
+            ..full.evolve
+        },
+        ..full
+    };
+    let s_full = steam_state(&users, &items, full)?;
+    let s_mc = steam_state(&users, &items, no_mc)?;
+    let s_amu = steam_state(&users, &items, no_amu)?;
+    let rec = RecommendParams::default();
+    let no_cc = RecommendParams {
+        collab_weight: 0.0,
+        seen_weight: 0.0,
+        ..rec
+    };
+    // Popularity and co-occurrence over the sample's histories (train data only).
+    let mut pop: HashMap<&str, f64> = HashMap::new();
+    let mut cooc: HashMap<(&str, &str), f64> = HashMap::new();
+    for u in &users {
+        let uniq: HashSet<&str> = u.history.iter().map(String::as_str).collect();
+        for &a in &uniq {
+            *pop.entry(a).or_insert(0.0) += 1.0;
+            for &b in &uniq {
+                if a != b {
+                    *cooc.entry((a, b)).or_insert(0.0) += 1.0;
+                }
+            }
+        }
+    }
+    let bm25 = Bm25::new(&texts);
+    let mut rankers: Vec<(&str, Ranker<'_>)> = vec![
+        ("steamrf (STEAM)", steam_ranker(&s_full, &items, rec)),
+        ("steamrf w/o CC", steam_ranker(&s_full, &items, no_cc)),
+        ("steamrf w/o MC", steam_ranker(&s_mc, &items, rec)),
+        ("steamrf w/o AMU", steam_ranker(&s_amu, &items, rec)),
+        (
+            "random",
+            Box::new(|_u: &User, c: &[String]| vec![0.0; c.len()]),
+        ),
+        (
+            "popularity",
+            Box::new(|_u: &User, c: &[String]| {
+                c.iter()
+                    .map(|i| pop.get(i.as_str()).copied().unwrap_or(0.0))
+                    .collect()
+            }),
+        ),
+        (
+            "item-item CF",
+            Box::new(|u: &User, c: &[String]| {
+                c.iter()
+                    .map(|i| {
+                        u.history
+                            .iter()
+                            .map(|h| {
+                                let co =
+                                    cooc.get(&(h.as_str(), i.as_str())).copied().unwrap_or(0.0);
+                                let n = (pop.get(h.as_str()).copied().unwrap_or(0.0)
+                                    * pop.get(i.as_str()).copied().unwrap_or(0.0))
+                                .sqrt();
+                                if n > 0.0 { co / n } else { 0.0 }
+                            })
+                            .sum()
+                    })
+                    .collect()
+            }),
+        ),
+        (
+            "BM25 (item text)",
+            Box::new(|u: &User, c: &[String]| {
+                let q: Vec<String> = u
+                    .history
+                    .iter()
+                    .flat_map(|h| tokens(texts.get(h).map_or("", String::as_str)))
+                    .collect();
+                c.iter().map(|i| bm25.score(&q, i)).collect()
+            }),
+        ),
+    ];
+    // ranker → [seed] → (ndcg1, ndcg5, ndcg10)
+    let mut results: BTreeMap<usize, Vec<[f64; 3]>> = BTreeMap::new();
+    for &seed in &e.seeds {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let cands: Vec<Vec<String>> = users
+            .iter()
+            .map(|u| {
+                let mut c = u.negatives.clone();
+                c.push(u.target.clone());
+                c.shuffle(&mut rng);
+                c
+            })
+            .collect();
+        for (ri, (_, rank)) in rankers.iter_mut().enumerate() {
+            let mut acc = [0.0f64; 3];
+            for (u, c) in users.iter().zip(&cands) {
+                let s = rank(u, c);
+                let target = c.iter().position(|i| *i == u.target).unwrap_or(0);
+                // Rank: candidates strictly better, then ties before it in the shuffled order.
+                let r = (0..c.len())
+                    .filter(|&j| s[j] > s[target] || (s[j] == s[target] && j < target))
+                    .count();
+                for (a, k) in acc.iter_mut().zip([1, 5, 10]) {
+                    *a += ndcg_at(r, k);
+                }
+            }
+            results
+                .entry(ri)
+                .or_default()
+                .push(acc.map(|a| a / users.len() as f64));
+        }
+    }
+    let stat = |v: &[[f64; 3]], m: usize| {
+        let n = v.len() as f64;
+        let mean = v.iter().map(|x| x[m]).sum::<f64>() / n;
+        let var = v.iter().map(|x| (x[m] - mean).powi(2)).sum::<f64>() / n;
+        (mean, var.sqrt())
+    };
+    let mut table = format!(
+        "Amazon CDs {} (AgentCF sample, {} users, 1 target + 9 negatives from .random), {} seeds\n\n| method | NDCG@1 | NDCG@5 | NDCG@10 |\n| --- | ---: | ---: | ---: |\n",
+        e.subset,
+        users.len(),
+        e.seeds.len()
+    );
+    let mut headline = [0.0; 3];
+    for (ri, (name, _)) in rankers.iter().enumerate() {
+        let v = &results[&ri];
+        let cells: Vec<String> = (0..3)
+            .map(|m| {
+                let (mean, sd) = stat(v, m);
+                format!("{mean:.3} ± {sd:.3}")
+            })
+            .collect();
+        if ri == 0 {
+            headline = [stat(v, 0).0, stat(v, 1).0, stat(v, 2).0];
+        }
+        table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));
+    }
+    std::fs::create_dir_all(&e.out).map_err(|source| Error::Io {
+        context: format!("creating {}", e.out.display()),
+        source,
+    })?;
+    let file = e.out.join(format!("steam-cds-{}.md", e.subset));
+    std::fs::write(&file, &table).map_err(|source| Error::Io {
+        context: format!("writing {}", file.display()),
+        source,
+    })?;
+    out.extend(table.lines().map(|l| format!("  {l}")));
+    out.push(format!(
+        "  memories {} (w/o MC {}, w/o AMU {}), published prototypes {}; table in {}; took {:.0} s",
+        s_full.len(),
+        s_mc.len(),
+        s_amu.len(),
+        s_full.prototypes().count(),
+        file.display(),
+        started.elapsed().as_secs_f64()
+    ));
+    out.push(format!(
+        "RESULT ndcg1={:.4} ndcg5={:.4} ndcg10={:.4}",
+        headline[0], headline[1], headline[2]
+    ));
+    Ok(out)
+}
