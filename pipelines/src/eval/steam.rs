@@ -492,3 +492,66 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
     ));
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ndcg_of_a_rank() {
+        assert_eq!(ndcg_at(0, 1), 1.0);
+        assert_eq!(ndcg_at(1, 1), 0.0);
+        assert!((ndcg_at(1, 5) - 1.0 / 3f64.log2()).abs() < 1e-12);
+        assert_eq!(ndcg_at(9, 10), 1.0 / 11f64.log2());
+        assert_eq!(ndcg_at(10, 10), 0.0);
+    }
+
+    #[test]
+    fn bm25_prefers_the_matching_text() {
+        let texts: HashMap<String, String> = [
+            (
+                "a",
+                "The CD is called 'Blue Train'. The category of this CD is: 'Jazz'.",
+            ),
+            (
+                "b",
+                "The CD is called 'Rumours'. The category of this CD is: 'Rock'.",
+            ),
+            (
+                "c",
+                "The CD is called 'Kind of Blue'. The category of this CD is: 'Jazz'.",
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let b = Bm25::new(&texts);
+        let q = tokens("Giant Steps jazz");
+        assert!(b.score(&q, "a") > b.score(&q, "b"));
+        assert!(b.score(&q, "c") > b.score(&q, "b"));
+        assert_eq!(b.score(&q, "missing"), 0.0);
+    }
+
+    #[test]
+    fn users_take_nine_negatives_without_the_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = "CDs-100-user-dense";
+        std::fs::write(
+            dir.path().join(format!("{name}.test.inter")),
+            "user_id:token\titem_id_list:token_seq\titem_id:token\nu1\t1 2 3\t9\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join(format!("{name}.random")),
+            "u1\t9 10 11 12 13 14 15 16 17 18 19\n",
+        )
+        .unwrap();
+        let u = users(dir.path(), name).unwrap();
+        assert_eq!(u[0].history, ["1", "2", "3"]);
+        assert_eq!(u[0].target, "9");
+        assert_eq!(
+            u[0].negatives,
+            ["10", "11", "12", "13", "14", "15", "16", "17", "18"]
+        );
+    }
+}
