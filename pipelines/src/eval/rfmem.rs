@@ -406,15 +406,7 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
             mean(&by_type, cat).0
         ));
     }
-    std::fs::create_dir_all(&e.out).map_err(|source| Error::Io {
-        context: format!("creating {}", e.out.display()),
-        source,
-    })?;
-    let file = e.out.join("rfmem-personabench.md");
-    std::fs::write(&file, &table).map_err(|source| Error::Io {
-        context: format!("writing {}", file.display()),
-        source,
-    })?;
+    let file = super::write_table(&e.out, "rfmem-personabench.md", &table)?;
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
         "  familiarity R@5/R@10 {f5:.4}/{f10:.4}; best recollection {:.4}/{:.4} (α {:.1}); steamrf defaults {d5:.4}/{d10:.4}; table in {}; took {:.0} s",

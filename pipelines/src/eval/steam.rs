@@ -467,15 +467,7 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
         }
         table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));
     }
-    std::fs::create_dir_all(&e.out).map_err(|source| Error::Io {
-        context: format!("creating {}", e.out.display()),
-        source,
-    })?;
-    let file = e.out.join(format!("steam-cds-{}.md", e.subset));
-    std::fs::write(&file, &table).map_err(|source| Error::Io {
-        context: format!("writing {}", file.display()),
-        source,
-    })?;
+    let file = super::write_table(&e.out, &format!("steam-cds-{}.md", e.subset), &table)?;
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
         "  memories {} (w/o MC {}, w/o AMU {}), published prototypes {}; table in {}; took {:.0} s",
