@@ -93,13 +93,13 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum EvalCmd {
-    /// The STEAM ranking protocol on the AgentCF Amazon CDs samples: NDCG@1/5/10 for steamrf, its ablations and baselines.
+    /// The STEAM ranking protocol on the AgentCF Amazon CDs samples or MovieLens-100K: NDCG@1/5/10 for steamrf, its ablations and baselines.
     Steam {
-        /// The amazon_cds_agentcf directory.
+        /// The amazon_cds_agentcf directory (cds-*) or the ml-100k one (ml100k-*).
         #[arg(long)]
         data: PathBuf,
-        /// dense or sparse.
-        #[arg(long, default_value = "dense", value_parser = ["dense", "sparse"])]
+        /// cds-dense, cds-sparse, ml100k-catalogue (negatives from the whole catalogue), ml100k-users (from the sampled users' items).
+        #[arg(long, default_value = "cds-dense", value_parser = ["cds-dense", "cds-sparse", "dense", "sparse", "ml100k-catalogue", "ml100k-users"])]
         subset: String,
         /// Candidate shuffle seeds (comma-separated).
         #[arg(long, default_value = "1,2,3", value_delimiter = ',')]

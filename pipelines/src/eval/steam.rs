@@ -35,9 +35,10 @@ use crate::error::{Error, Result};
 /// Options of `steamrf eval steam`.
 #[derive(Debug, Clone)]
 pub struct SteamEval {
-    /// The amazon_cds_agentcf directory.
+    /// The amazon_cds_agentcf directory, or ml-100k's.
     pub data: PathBuf,
-    /// dense or sparse.
+    /// cds-dense, cds-sparse, ml100k-catalogue (negatives from the whole
+    /// catalogue) or ml100k-users (negatives from the sampled users' items).
     pub subset: String,
     /// Shuffle seeds.
     pub seeds: Vec<u64>,
@@ -47,6 +48,7 @@ pub struct SteamEval {
     pub out: PathBuf,
 }
 
+#[derive(Clone)]
 struct User {
     id: String,
     history: Vec<String>,
@@ -245,43 +247,343 @@ fn steam_state(users: &[User], items: &Items, params: SteamParams) -> Result<Ste
     Ok(state)
 }
 
+/// One evaluation sample: the users, and the training interactions
+/// (user, item) that popularity and item-item CF learn from.
+struct Sample {
+    users: Vec<User>,
+    train: Vec<(String, String)>,
+}
+
+/// Items' titles and categories, and (user, item, timestamp) ratings.
+type MovieLens = (
+    HashMap<String, (String, String)>,
+    Vec<(String, String, i64)>,
+);
+
+/// MovieLens-100K: u.item (Latin-1; title and genre flags) and u.data.
+fn movielens(dir: &Path) -> Result<MovieLens> {
+    let genres: Vec<String> = read(&dir.join("u.genre"))?
+        .lines()
+        .filter_map(|l| l.split('|').next().map(str::to_owned))
+        .filter(|g| !g.is_empty())
+        .collect();
+    let raw = std::fs::read(dir.join("u.item")).map_err(|source| Error::Io {
+        context: format!("reading {}", dir.join("u.item").display()),
+        source,
+    })?;
+    // Latin-1: every byte is the code point of the same value.
+    let text: String = raw.iter().map(|&b| b as char).collect();
+    let mut meta = HashMap::new();
+    for l in text.lines() {
+        let f: Vec<&str> = l.split('|').collect();
+        if f.len() < 6 {
+            continue;
+        }
+        let gs: Vec<&str> = f[5..]
+            .iter()
+            .zip(&genres)
+            .filter(|(flag, _)| **flag == "1")
+            .map(|(_, g)| g.as_str())
+            .collect();
+        meta.insert(f[0].to_owned(), (f[1].to_owned(), gs.join("; ")));
+    }
+    let mut ratings = Vec::new();
+    for l in read(&dir.join("u.data"))?.lines() {
+        let f: Vec<&str> = l.split('\t').collect();
+        if let [u, i, _, ts] = f[..] {
+            ratings.push((u.to_owned(), i.to_owned(), ts.parse().unwrap_or(0)));
+        }
+    }
+    Ok((meta, ratings))
+}
+
+/// 100 users drawn with `seed`; each user's last rating (by timestamp, then
+/// item id) is the target, the earlier ones the history; 9 negatives the
+/// user never rated, from the whole catalogue or from the sampled users' items.
+fn ml_sample(
+    ratings: &[(String, String, i64)],
+    meta: &HashMap<String, (String, String)>,
+    seed: u64,
+    from_users: bool,
+) -> Sample {
+    let mut by_user: BTreeMap<&str, Vec<(i64, &str)>> = BTreeMap::new();
+    for (u, i, ts) in ratings {
+        by_user.entry(u).or_default().push((*ts, i));
+    }
+    for v in by_user.values_mut() {
+        // Timestamp ties break by item id, numerically (ML-100K's ids are numbers).
+        let num = |i: &str| (i.parse::<u64>().unwrap_or(u64::MAX), i.to_owned());
+        v.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| num(a.1).cmp(&num(b.1))));
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut ids: Vec<&str> = by_user.keys().copied().collect();
+    ids.shuffle(&mut rng);
+    ids.truncate(100);
+    ids.sort_unstable();
+    let pool: Vec<&str> = if from_users {
+        let mut p: Vec<&str> = ids
+            .iter()
+            .flat_map(|u| by_user[u].iter().map(|x| x.1))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        p.sort_unstable();
+        p
+    } else {
+        let mut p: Vec<&str> = meta.keys().map(String::as_str).collect();
+        p.sort_unstable();
+        p
+    };
+    let mut users = Vec::new();
+    let mut targets = HashSet::new();
+    for u in &ids {
+        let v = &by_user[u];
+        let Some((_, target)) = v.last() else {
+            continue;
+        };
+        let seen: HashSet<&str> = v.iter().map(|x| x.1).collect();
+        let mut negatives = Vec::new();
+        while negatives.len() < 9 {
+            let c = pool[rand::Rng::random_range(&mut rng, 0..pool.len())];
+            if !seen.contains(c) && !negatives.iter().any(|n: &String| n == c) {
+                negatives.push(c.to_owned());
+            }
+        }
+        targets.insert((*u, *target));
+        users.push(User {
+            id: (*u).to_owned(),
+            history: v[..v.len() - 1].iter().map(|x| x.1.to_owned()).collect(),
+            target: (*target).to_owned(),
+            negatives,
+        });
+    }
+    let train = ratings
+        .iter()
+        .filter(|(u, i, _)| !targets.contains(&(u.as_str(), i.as_str())))
+        .map(|(u, i, _)| (u.clone(), i.clone()))
+        .collect();
+    Sample { users, train }
+}
+
+/// Item-item cosine over who interacted: one bitset of users per item.
+struct ItemUsers {
+    sets: HashMap<String, Vec<u64>>,
+}
+
+impl ItemUsers {
+    fn new(train: &[(String, String)]) -> Self {
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        for (u, _) in train {
+            let n = index.len();
+            index.entry(u).or_insert(n);
+        }
+        let words = index.len().div_ceil(64).max(1);
+        let mut sets: HashMap<String, Vec<u64>> = HashMap::new();
+        for (u, i) in train {
+            let b = index[u.as_str()];
+            sets.entry(i.clone()).or_insert_with(|| vec![0; words])[b / 64] |= 1 << (b % 64);
+        }
+        Self { sets }
+    }
+
+    fn count(&self, i: &str) -> f64 {
+        self.sets.get(i).map_or(0.0, |s| {
+            s.iter().map(|w| w.count_ones()).sum::<u32>() as f64
+        })
+    }
+
+    fn cosine(&self, a: &str, b: &str) -> f64 {
+        let (Some(x), Some(y)) = (self.sets.get(a), self.sets.get(b)) else {
+            return 0.0;
+        };
+        let co: u32 = x.iter().zip(y).map(|(p, q)| (p & q).count_ones()).sum();
+        let n = (self.count(a) * self.count(b)).sqrt();
+        if n > 0.0 { f64::from(co) / n } else { 0.0 }
+    }
+}
+
+/// Per method (name, [NDCG@1, @5, @10]), and the memory counts (full, w/o
+/// MC, w/o AMU, published prototypes).
+type Evaluated = (Vec<(&'static str, [f64; 3])>, (usize, usize, usize, usize));
+
+/// Every method on one sample.
+fn evaluate(
+    sample: &Sample,
+    items: &Items,
+    texts: &HashMap<String, String>,
+    bm25: &Bm25,
+    seed: u64,
+) -> Result<Evaluated> {
+    let users = &sample.users;
+    let full = SteamParams::default();
+    let no_mc = SteamParams {
+        evolve: EvolveParams {
+            consolidate: false,
+            ..full.evolve
+        },
+        ..full
+    };
+    let no_amu = SteamParams {
+        evolve: EvolveParams {
+            max_memories_per_user: 1,
+            ..full.evolve
+        },
+        ..full
+    };
+    let s_full = steam_state(users, items, full)?;
+    let s_mc = steam_state(users, items, no_mc)?;
+    let s_amu = steam_state(users, items, no_amu)?;
+    let rec = RecommendParams::default();
+    let no_cc = RecommendParams {
+        collab_weight: 0.0,
+        seen_weight: 0.0,
+        ..rec
+    };
+    let cf = ItemUsers::new(&sample.train);
+    let rankers: Vec<(&'static str, Ranker<'_>)> = vec![
+        ("steamrf (STEAM)", steam_ranker(&s_full, items, rec)),
+        ("steamrf w/o CC", steam_ranker(&s_full, items, no_cc)),
+        ("steamrf w/o MC", steam_ranker(&s_mc, items, rec)),
+        ("steamrf w/o AMU", steam_ranker(&s_amu, items, rec)),
+        (
+            "random",
+            Box::new(|_u: &User, c: &[String]| vec![0.0; c.len()]),
+        ),
+        (
+            "popularity",
+            Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.count(i)).collect()),
+        ),
+        (
+            "item-item CF",
+            Box::new(|u: &User, c: &[String]| {
+                c.iter()
+                    .map(|i| u.history.iter().map(|h| cf.cosine(h, i)).sum())
+                    .collect()
+            }),
+        ),
+        (
+            "BM25 (item text)",
+            Box::new(|u: &User, c: &[String]| {
+                let q: Vec<String> = u
+                    .history
+                    .iter()
+                    .flat_map(|h| tokens(texts.get(h).map_or("", String::as_str)))
+                    .collect();
+                c.iter().map(|i| bm25.score(&q, i)).collect()
+            }),
+        ),
+    ];
+    let mut rng = StdRng::seed_from_u64(seed);
+    let cands: Vec<Vec<String>> = users
+        .iter()
+        .map(|u| {
+            let mut c = u.negatives.clone();
+            c.push(u.target.clone());
+            c.shuffle(&mut rng);
+            c
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (name, rank) in &rankers {
+        let mut acc = [0.0f64; 3];
+        for (u, c) in users.iter().zip(&cands) {
+            let s = rank(u, c);
+            let target = c.iter().position(|i| *i == u.target).unwrap_or(0);
+            // Rank: candidates strictly better, then ties before it in the shuffled order.
+            let r = (0..c.len())
+                .filter(|&j| s[j] > s[target] || (s[j] == s[target] && j < target))
+                .count();
+            for (a, k) in acc.iter_mut().zip([1, 5, 10]) {
+                *a += ndcg_at(r, k);
+            }
+        }
+        out.push((*name, acc.map(|a| a / users.len().max(1) as f64)));
+    }
+    let counts = (
+        s_full.len(),
+        s_mc.len(),
+        s_amu.len(),
+        s_full.prototypes().count(),
+    );
+    Ok((out, counts))
+}
+
 /// Runs the evaluation.
 ///
 /// # Errors
 /// Missing data or embedding failures.
 pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
     let started = Instant::now();
-    let name = format!("CDs-100-user-{}", e.subset);
-    let dir = e.data.join(&name);
-    let users = users(&dir, &name)?;
-    let mut needed: HashSet<String> = HashSet::new();
-    for u in &users {
-        needed.extend(u.history.iter().cloned());
-        needed.extend(u.negatives.iter().cloned());
-        needed.insert(u.target.clone());
-    }
-    let mut meta: HashMap<String, (String, String)> = HashMap::new();
-    for l in read(&e.data.join("CDs.item"))?.lines().skip(1) {
-        let f: Vec<&str> = l.split('\t').collect();
-        if f.len() >= 2 && needed.contains(f[0]) {
-            meta.insert(
-                f[0].to_owned(),
-                (f[1].to_owned(), f.get(2).copied().unwrap_or("").to_owned()),
-            );
+    let (meta, samples, template) = match e.subset.as_str() {
+        "dense" | "sparse" | "cds-dense" | "cds-sparse" => {
+            let sub = e.subset.trim_start_matches("cds-");
+            let name = format!("CDs-100-user-{sub}");
+            let users = users(&e.data.join(&name), &name)?;
+            let train: Vec<(String, String)> = users
+                .iter()
+                .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))
+                .collect();
+            let mut meta = HashMap::new();
+            for l in read(&e.data.join("CDs.item"))?.lines().skip(1) {
+                let f: Vec<&str> = l.split('\t').collect();
+                if f.len() >= 2 {
+                    meta.insert(
+                        f[0].to_owned(),
+                        (f[1].to_owned(), f.get(2).copied().unwrap_or("").to_owned()),
+                    );
+                }
+            }
+            let samples: Vec<Sample> = e
+                .seeds
+                .iter()
+                .map(|_| Sample {
+                    users: users.clone(),
+                    train: train.clone(),
+                })
+                .collect();
+            (
+                meta,
+                samples,
+                "The CD is called '{title}'. The category of this CD is: '{category}'.",
+            )
+        }
+        "ml100k-catalogue" | "ml100k-users" => {
+            let (meta, ratings) = movielens(&e.data)?;
+            let from_users = e.subset == "ml100k-users";
+            let samples = e
+                .seeds
+                .iter()
+                .map(|&seed| ml_sample(&ratings, &meta, seed, from_users))
+                .collect();
+            (
+                meta,
+                samples,
+                "The movie is called '{title}'. Its genres are: '{category}'.",
+            )
+        }
+        other => return Err(bad(format!("unknown subset {other:?}"))),
+    };
+    let mut needed: HashSet<&str> = HashSet::new();
+    for s in &samples {
+        for u in &s.users {
+            needed.extend(u.history.iter().map(String::as_str));
+            needed.extend(u.negatives.iter().map(String::as_str));
+            needed.insert(&u.target);
         }
     }
-    let ids: Vec<String> = {
-        let mut v: Vec<String> = meta.keys().cloned().collect();
-        v.sort();
-        v
-    };
+    let mut ids: Vec<String> = needed
+        .into_iter()
+        .filter(|i| meta.contains_key(*i))
+        .map(str::to_owned)
+        .collect();
+    ids.sort();
     let texts: HashMap<String, String> = ids
         .iter()
         .map(|i| {
             let (t, c) = &meta[i];
             (
                 i.clone(),
-                format!("The CD is called '{t}'. The category of this CD is: '{c}'."),
+                template.replace("{title}", t).replace("{category}", c),
             )
         })
         .collect();
@@ -313,132 +615,25 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
         })
         .collect();
     let mut out = vec![format!(
-        "eval steam: Amazon CDs {} ({} users, {} items embedded in {:.1} s), seeds {:?}",
+        "eval steam: {} ({} users per seed, {} items embedded in {:.1} s), seeds {:?}",
         e.subset,
-        users.len(),
+        samples.first().map_or(0, |s| s.users.len()),
         ids.len(),
         t.elapsed().as_secs_f64(),
         e.seeds
     )];
 
-    let full = SteamParams::default();
-    let no_mc = SteamParams {
-        evolve: EvolveParams {
-            consolidate: false,
-            ..full.evolve
-        },
-        ..full
-    };
-    let no_amu = SteamParams {
-        evolve: EvolveParams {
-            max_memories_per_user: 1,
-            ..full.evolve
-        },
-        ..full
-    };
-    let s_full = steam_state(&users, &items, full)?;
-    let s_mc = steam_state(&users, &items, no_mc)?;
-    let s_amu = steam_state(&users, &items, no_amu)?;
-    let rec = RecommendParams::default();
-    let no_cc = RecommendParams {
-        collab_weight: 0.0,
-        seen_weight: 0.0,
-        ..rec
-    };
-    // Popularity and co-occurrence over the sample's histories (train data only).
-    let mut pop: HashMap<&str, f64> = HashMap::new();
-    let mut cooc: HashMap<(&str, &str), f64> = HashMap::new();
-    for u in &users {
-        let uniq: HashSet<&str> = u.history.iter().map(String::as_str).collect();
-        for &a in &uniq {
-            *pop.entry(a).or_insert(0.0) += 1.0;
-            for &b in &uniq {
-                if a != b {
-                    *cooc.entry((a, b)).or_insert(0.0) += 1.0;
-                }
-            }
-        }
-    }
     let bm25 = Bm25::new(&texts);
-    let mut rankers: Vec<(&str, Ranker<'_>)> = vec![
-        ("steamrf (STEAM)", steam_ranker(&s_full, &items, rec)),
-        ("steamrf w/o CC", steam_ranker(&s_full, &items, no_cc)),
-        ("steamrf w/o MC", steam_ranker(&s_mc, &items, rec)),
-        ("steamrf w/o AMU", steam_ranker(&s_amu, &items, rec)),
-        (
-            "random",
-            Box::new(|_u: &User, c: &[String]| vec![0.0; c.len()]),
-        ),
-        (
-            "popularity",
-            Box::new(|_u: &User, c: &[String]| {
-                c.iter()
-                    .map(|i| pop.get(i.as_str()).copied().unwrap_or(0.0))
-                    .collect()
-            }),
-        ),
-        (
-            "item-item CF",
-            Box::new(|u: &User, c: &[String]| {
-                c.iter()
-                    .map(|i| {
-                        u.history
-                            .iter()
-                            .map(|h| {
-                                let co =
-                                    cooc.get(&(h.as_str(), i.as_str())).copied().unwrap_or(0.0);
-                                let n = (pop.get(h.as_str()).copied().unwrap_or(0.0)
-                                    * pop.get(i.as_str()).copied().unwrap_or(0.0))
-                                .sqrt();
-                                if n > 0.0 { co / n } else { 0.0 }
-                            })
-                            .sum()
-                    })
-                    .collect()
-            }),
-        ),
-        (
-            "BM25 (item text)",
-            Box::new(|u: &User, c: &[String]| {
-                let q: Vec<String> = u
-                    .history
-                    .iter()
-                    .flat_map(|h| tokens(texts.get(h).map_or("", String::as_str)))
-                    .collect();
-                c.iter().map(|i| bm25.score(&q, i)).collect()
-            }),
-        ),
-    ];
-    // ranker → [seed] → (ndcg1, ndcg5, ndcg10)
+    // ranker name → [seed] → (ndcg1, ndcg5, ndcg10)
+    let mut names: Vec<&'static str> = Vec::new();
     let mut results: BTreeMap<usize, Vec<[f64; 3]>> = BTreeMap::new();
-    for &seed in &e.seeds {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let cands: Vec<Vec<String>> = users
-            .iter()
-            .map(|u| {
-                let mut c = u.negatives.clone();
-                c.push(u.target.clone());
-                c.shuffle(&mut rng);
-                c
-            })
-            .collect();
-        for (ri, (_, rank)) in rankers.iter_mut().enumerate() {
-            let mut acc = [0.0f64; 3];
-            for (u, c) in users.iter().zip(&cands) {
-                let s = rank(u, c);
-                let target = c.iter().position(|i| *i == u.target).unwrap_or(0);
-                // Rank: candidates strictly better, then ties before it in the shuffled order.
-                let r = (0..c.len())
-                    .filter(|&j| s[j] > s[target] || (s[j] == s[target] && j < target))
-                    .count();
-                for (a, k) in acc.iter_mut().zip([1, 5, 10]) {
-                    *a += ndcg_at(r, k);
-                }
-            }
-            results
-                .entry(ri)
-                .or_default()
-                .push(acc.map(|a| a / users.len() as f64));
+    let mut memories = (0, 0, 0, 0);
+    for (sample, &seed) in samples.iter().zip(&e.seeds) {
+        let (rows, m) = evaluate(sample, &items, &texts, &bm25, seed)?;
+        memories = m;
+        names = rows.iter().map(|r| r.0).collect();
+        for (ri, (_, v)) in rows.into_iter().enumerate() {
+            results.entry(ri).or_default().push(v);
         }
     }
     let stat = |v: &[[f64; 3]], m: usize| {
@@ -448,13 +643,13 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
         (mean, var.sqrt())
     };
     let mut table = format!(
-        "Amazon CDs {} (AgentCF sample, {} users, 1 target + 9 negatives from .random), {} seeds\n\n| method | NDCG@1 | NDCG@5 | NDCG@10 |\n| --- | ---: | ---: | ---: |\n",
+        "{} ({} users per seed, 1 target + 9 negatives), {} seeds\n\n| method | NDCG@1 | NDCG@5 | NDCG@10 |\n| --- | ---: | ---: | ---: |\n",
         e.subset,
-        users.len(),
+        samples.first().map_or(0, |s| s.users.len()),
         e.seeds.len()
     );
     let mut headline = [0.0; 3];
-    for (ri, (name, _)) in rankers.iter().enumerate() {
+    for (ri, name) in names.iter().enumerate() {
         let v = &results[&ri];
         let cells: Vec<String> = (0..3)
             .map(|m| {
@@ -467,14 +662,14 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
         }
         table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));
     }
-    let file = super::write_table(&e.out, &format!("steam-cds-{}.md", e.subset), &table)?;
+    let file = super::write_table(&e.out, &format!("steam-{}.md", e.subset), &table)?;
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
-        "  memories {} (w/o MC {}, w/o AMU {}), published prototypes {}; table in {}; took {:.0} s",
-        s_full.len(),
-        s_mc.len(),
-        s_amu.len(),
-        s_full.prototypes().count(),
+        "  memories {} (w/o MC {}, w/o AMU {}), published prototypes {} (last seed); table in {}; took {:.0} s",
+        memories.0,
+        memories.1,
+        memories.2,
+        memories.3,
         file.display(),
         started.elapsed().as_secs_f64()
     ));
@@ -545,5 +740,43 @@ mod tests {
             u[0].negatives,
             ["10", "11", "12", "13", "14", "15", "16", "17", "18"]
         );
+    }
+
+    #[test]
+    fn movielens_samples_hold_out_the_last_rating_and_sample_unseen_negatives() {
+        let mut ratings = Vec::new();
+        let mut meta = HashMap::new();
+        for i in 0..40 {
+            meta.insert(i.to_string(), (format!("Movie {i}"), "Drama".to_owned()));
+        }
+        for u in 0..120 {
+            for k in 0..5 {
+                // Two ratings share the last timestamp: the larger item id is the target.
+                let ts = if k >= 3 { 100 } else { k };
+                ratings.push((u.to_string(), ((u + k * 7) % 40).to_string(), ts));
+            }
+        }
+        let s = ml_sample(&ratings, &meta, 7, false);
+        assert_eq!(s.users.len(), 100);
+        assert_eq!(
+            ml_sample(&ratings, &meta, 7, false).users[0].id,
+            s.users[0].id
+        );
+        for u in &s.users {
+            let mine: Vec<&(String, String, i64)> =
+                ratings.iter().filter(|r| r.0 == u.id).collect();
+            let last = mine
+                .iter()
+                .filter(|r| r.2 == 100)
+                .map(|r| r.1.as_str())
+                .max_by_key(|i| i.parse::<u64>().unwrap())
+                .unwrap();
+            assert_eq!(u.target, last);
+            assert_eq!(u.history.len(), 4);
+            assert_eq!(u.negatives.len(), 9);
+            assert!(u.negatives.iter().all(|n| mine.iter().all(|r| &r.1 != n)));
+            assert!(!s.train.contains(&(u.id.clone(), u.target.clone())));
+        }
+        assert_eq!(s.train.len(), ratings.len() - 100);
     }
 }
