@@ -38,7 +38,16 @@ echo
 serve_pid=$!
 trap 'kill $serve_pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do curl -sf 127.0.0.1:8090/readyz >/dev/null && break; sleep 0.2; done
-ask() { echo; echo "\$ curl 127.0.0.1:8090$1 -d '$2'"; curl -s "127.0.0.1:8090$1" -d "$2" | .tools/venv/bin/python -m json.tool | head -${3:-40}; }
+# Pretty-prints the first N lines of the answer (no `| head`: under pipefail
+# the closed pipe would fail the script).
+ask() {
+  echo; echo "\$ curl 127.0.0.1:8090$1 -d '$2'"
+  curl -s "127.0.0.1:8090$1" -d "$2" | .tools/venv/bin/python -c '
+import json, sys
+lines = json.dumps(json.load(sys.stdin), indent=2, ensure_ascii=False).splitlines()
+n = int(sys.argv[1])
+print("\n".join(lines[:n]) + ("\n  ..." if len(lines) > n else ""))' "${3:-40}"
+}
 ask /v1/retrieve '{"user_id": "alice", "query": "modern jazz records", "k": 3}' 60
 ask /v1/recommend '{"user_id": "alice", "candidates": ["cd-002", "cd-004", "cd-005", "cd-008"]}' 40
 kill $serve_pid 2>/dev/null || true
