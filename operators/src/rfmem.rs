@@ -37,6 +37,9 @@ use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::{Ivf, IvfParams, kmeans};
 use steamrf_kernels::{Corpus, Hit, SearchParams, SimilarityKernel};
 
+use crate::embed::normalize;
+use crate::steam::memory::dot;
+
 /// Errors of a retrieval.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -462,17 +465,6 @@ pub struct Answer {
     pub probe_time: Duration,
     /// Time in the chosen path.
     pub path_time: Duration,
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-fn normalize(v: &mut [f32]) {
-    let n = dot(v, v).sqrt();
-    if n > 0.0 {
-        v.iter_mut().for_each(|x| *x /= n);
-    }
 }
 
 /// Checks a query vector: the store's dimension, finite, not all zero.

@@ -208,12 +208,15 @@ fn strings(list: &dyn Array, row: usize) -> Vec<String> {
         .collect()
 }
 
-fn vector(col: &dyn Array, row: usize) -> Option<Vec<f32>> {
+/// Row `row` of a `FixedSizeList<Float32>` column (`None` if null), without copying.
+pub(crate) fn vector(col: &dyn Array, row: usize) -> Option<&[f32]> {
     let l = col.as_fixed_size_list();
     if l.is_null(row) {
         return None;
     }
-    Some(l.value(row).as_primitive::<Float32Type>().values().to_vec())
+    let dim = l.value_length() as usize;
+    let start = l.value_offset(row) as usize;
+    Some(&l.values().as_primitive::<Float32Type>().values()[start..start + dim])
 }
 
 impl SteamStage {
@@ -278,7 +281,7 @@ impl SteamStage {
         };
         let (id, title) = (id.as_string::<i32>(), title.as_string::<i32>());
         for r in 0..b.num_rows() {
-            if let Some(embedding) = vector(emb, r) {
+            if let Some(embedding) = vector(emb, r).map(<[f32]>::to_vec) {
                 self.items.insert(
                     id.value(r).to_owned(),
                     ItemMeta {
@@ -416,9 +419,9 @@ impl SteamStage {
                             continue;
                         }
                         vector(emb, r).map(|e| Observation {
+                            embedding: e.to_vec(),
                             event_id: event.value(r).to_owned(),
                             timestamp_ms: ts.value(r),
-                            embedding: e,
                             item_id: None,
                             title: None,
                             categories: Vec::new(),
@@ -769,7 +772,7 @@ pub fn memories_from(b: &RecordBatch) -> Result<Vec<Memory>> {
     let recent = col("recent")?;
     let mut out = Vec::with_capacity(b.num_rows());
     for r in 0..b.num_rows() {
-        let Some(embedding) = vector(emb, r) else {
+        let Some(embedding) = vector(emb, r).map(<[f32]>::to_vec) else {
             continue;
         };
         out.push(Memory {

@@ -679,6 +679,13 @@ fn kafka_events_to_a_retrieval_answer() {
     assert!(pipeline.sigterm().success());
 }
 
+/// The `[steam]` section of the scaled-out write path, with a changes topic per test.
+fn scaled_out_steam(topic: &str) -> String {
+    format!(
+        "[steam]\nenabled = true\ncommunities = \"topic\"\nchanges_topic = \"{topic}-changes\"\n"
+    )
+}
+
 /// The scaled-out write path: two ingest instances (one consumer group, two
 /// partitions) form and consolidate memories and publish them to the changes
 /// topic; one `steamrf communities` process keeps links, communities and
@@ -734,9 +741,7 @@ fn scaled_out_community_writer_matches_in_process() {
         max_rows: 4,
         linger_ms: 100,
     };
-    let config = cfg.write_with(&format!(
-        "[steam]\nenabled = true\ncommunities = \"topic\"\nchanges_topic = \"{topic}-changes\"\n"
-    ));
+    let config = cfg.write_with(&scaled_out_steam(&topic));
     let uri = cfg.lancedb_uri();
     let mut writer = Pipeline::start_command("communities", &config, None);
     let mut a = Pipeline::start(&config, None);
@@ -818,9 +823,7 @@ fn metrics_pass_promtool_and_dashboards_use_exported_metrics() {
         max_rows: 1000,
         linger_ms: 100,
     };
-    let config = cfg.write_with(&format!(
-        "[steam]\nenabled = true\ncommunities = \"topic\"\nchanges_topic = \"{topic}-changes\"\n"
-    ));
+    let config = cfg.write_with(&scaled_out_steam(&topic));
     let writer = Pipeline::start_command("communities", &config, None);
     let pipeline = Pipeline::start(&config, None);
     let events = std::fs::read_to_string(&file).unwrap().lines().count() as f64;

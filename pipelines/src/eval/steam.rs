@@ -368,6 +368,7 @@ fn ml_sample(
 /// Item-item cosine over who interacted: one bitset of users per item.
 struct ItemUsers {
     sets: HashMap<String, Vec<u64>>,
+    counts: HashMap<String, f64>,
 }
 
 impl ItemUsers {
@@ -383,13 +384,20 @@ impl ItemUsers {
             let b = index[u.as_str()];
             sets.entry(i.clone()).or_insert_with(|| vec![0; words])[b / 64] |= 1 << (b % 64);
         }
-        Self { sets }
+        let counts = sets
+            .iter()
+            .map(|(i, s)| {
+                (
+                    i.clone(),
+                    f64::from(s.iter().map(|w| w.count_ones()).sum::<u32>()),
+                )
+            })
+            .collect();
+        Self { sets, counts }
     }
 
     fn count(&self, i: &str) -> f64 {
-        self.sets.get(i).map_or(0.0, |s| {
-            s.iter().map(|w| w.count_ones()).sum::<u32>() as f64
-        })
+        self.counts.get(i).copied().unwrap_or(0.0)
     }
 
     fn cosine(&self, a: &str, b: &str) -> f64 {

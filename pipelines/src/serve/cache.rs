@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::{Float32Type, Int32Type, Int64Type, TimestampMillisecondType};
+use arrow_array::types::{Int32Type, Int64Type, TimestampMillisecondType};
 use arrow_array::{Array, RecordBatch};
 use futures::TryStreamExt;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
@@ -29,6 +29,7 @@ use steamrf_schemas::tables::EMBEDDING_DIM;
 
 use crate::config::{CorpusKind, ServeConfig};
 use crate::error::{Error, Result};
+use crate::steam::vector;
 
 /// What a corpus row is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -239,17 +240,6 @@ impl Tables {
         snap.load_time = started.elapsed();
         Ok(snap)
     }
-}
-
-fn vector(col: &dyn Array, row: usize) -> Option<&[f32]> {
-    let l = col.as_fixed_size_list();
-    if l.is_null(row) {
-        return None;
-    }
-    let dim = l.value_length() as usize;
-    let values = l.values().as_primitive::<Float32Type>().values();
-    let start = l.value_offset(row) as usize;
-    Some(&values[start..start + dim])
 }
 
 fn opt_str(col: &dyn Array, row: usize) -> Option<&str> {

@@ -560,8 +560,7 @@ fn answer(
 /// published prototypes; other users appear only as memory and item ids.
 fn local_to_global(st: &AppState, snap: &Snapshot, user_id: &str, q: &[f32]) -> Vec<Collaborative> {
     let mut qn = q.to_vec();
-    let n = qn.iter().map(|v| v * v).sum::<f32>().sqrt();
-    qn.iter_mut().for_each(|v| *v /= n);
+    steamrf_operators::embed::normalize(&mut qn);
     let params = RecommendParams {
         k_collab: st.cfg.collaborative_k,
         ..RecommendParams::default()
