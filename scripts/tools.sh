@@ -11,8 +11,9 @@ TOOLS="${STEAMRF_TOOLS:-$PWD/.tools}"
 mkdir -p "$TOOLS/bin" "$TOOLS/lib" "$TOOLS/wheels"
 
 # prometheus: for promtool (the tests check every /metrics and dashboard query with it).
+# fonts-dejavu-core: the text of the evaluation plots.
 APT_PACKAGES=(build-essential pkg-config cmake protobuf-compiler libssl-dev zlib1g-dev
-  libsasl2-dev mold kcat python3-venv curl unzip prometheus)
+  libsasl2-dev mold kcat python3-venv curl unzip prometheus fonts-dejavu-core)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

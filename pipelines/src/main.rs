@@ -66,6 +66,14 @@ enum Cmd {
         #[arg(long, value_parser = humantime::parse_duration)]
         exit_when_idle: Option<Duration>,
     },
+    /// Delete everything stored about a user (interactions, profile, memories, links), rebuild the affected communities and prototypes, remove the bytes from disk, and print a receipt. Run it with the steamrf processes stopped; while they run, send a `forget` event instead.
+    Forget {
+        /// The user id.
+        user_id: String,
+        /// Configuration file (TOML); STEAMRF__SECTION__KEY variables override it.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+    },
     /// Check a configuration file (with defaults and environment applied) and report every problem.
     Validate {
         /// The file to check.
@@ -93,8 +101,11 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum EvalCmd {
-    /// The STEAM ranking protocol on the AgentCF Amazon CDs samples or MovieLens-100K: NDCG@1/5/10 for steamrf, its ablations and baselines.
+    /// The STEAM paper's protocols on the AgentCF Amazon CDs samples or MovieLens-100K: ranking (NDCG@1/5/10), user simulation (AFL: precision and F1 at 1:1, 1:3, 1:9) or diversity (ILD, entropy, DS), for steamrf, its ablations and baselines.
     Steam {
+        /// ranking, simulation (MovieLens only) or diversity.
+        #[arg(long, default_value = "ranking", value_parser = ["ranking", "simulation", "diversity"])]
+        task: String,
         /// The amazon_cds_agentcf directory (cds-*) or the ml-100k one (ml100k-*).
         #[arg(long)]
         data: PathBuf,
@@ -342,6 +353,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
         Cmd::Eval {
             which:
                 EvalCmd::Steam {
+                    task,
                     data,
                     subset,
                     seeds,
@@ -356,6 +368,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 seeds,
                 embed: config.embed,
                 out,
+                task,
             })
             .await
             .context("eval steam")?;
@@ -380,6 +393,14 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             .await
             .context("eval rfmem")?;
             Ok(print_lines(&lines))
+        }
+        Cmd::Forget { user_id, config } => {
+            let config = Config::load(config.as_deref())?;
+            let receipt = steamrf_pipelines::forget::run(&config, &user_id)
+                .await
+                .context("forget")?;
+            println!("{}", serde_json::to_string_pretty(&receipt)?);
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Validate { config } => match Config::load(Some(&config)) {
             Ok(c) => {

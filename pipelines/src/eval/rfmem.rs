@@ -21,6 +21,7 @@ use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
+use super::plot;
 use super::pyjson::{self, Json};
 use crate::config::EmbedConfig;
 use crate::error::{Error, Result};
@@ -339,7 +340,10 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
     let mut table = String::from(
         "| method | α | τ | Recall@5 | Recall@10 | NDCG@10 | recollected |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
+    // 1 familiarity + 9 recollection + 27 RF-Mem + 1 steamrf-defaults rows.
+    let bar = super::progress(38, "configurations");
     let mut row = |name: &str, p: RfMemParams| -> Result<(f64, f64, Scores)> {
+        bar.inc(1);
         let (s5, _) = run(&users, &questions, &qv.vectors, &at(5, p))?;
         let (s10, rec) = run(&users, &questions, &qv.vectors, &at(10, p))?;
         let (r5, _) = mean(&s5, "Overall");
@@ -363,6 +367,11 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         },
     )?;
     let mut best_rec = (0.0, 0.0, 0.0);
+    let alphas: Vec<f64> = (1..=9).map(|a| f64::from(a) / 10.0).collect();
+    let mut sweep = vec![plot::Series {
+        name: "Recollection only".into(),
+        values: Vec::new(),
+    }];
     for a in 1..=9 {
         let alpha = a as f32 / 10.0;
         let (r5, r10, _) = row(
@@ -373,6 +382,7 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
                 ..official
             },
         )?;
+        sweep[0].values.push(r10);
         if r10 > best_rec.1 {
             best_rec = (r5, r10, f64::from(alpha));
         }
@@ -380,6 +390,10 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
     let mut headline = (0.0, 0.0);
     let mut by_type = BTreeMap::new();
     for tau in [0.2f32, 0.25, 0.3] {
+        sweep.push(plot::Series {
+            name: format!("RF-Mem, τ = {tau:.2}"),
+            values: Vec::new(),
+        });
         for a in 1..=9 {
             let alpha = a as f32 / 10.0;
             let (r5, r10, s) = row(
@@ -390,6 +404,9 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
                     ..official
                 },
             )?;
+            if let Some(s) = sweep.last_mut() {
+                s.values.push(r10);
+            }
             if a == 5 && (tau - 0.25).abs() < 1e-6 {
                 headline = (r5, r10);
                 by_type = s;
@@ -397,6 +414,18 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         }
     }
     let (d5, d10, _) = row("RF-Mem (steamrf defaults: top-up)", RfMemParams::default())?;
+    bar.finish_and_clear();
+    sweep.push(plot::Series {
+        name: "Familiarity (top-k)".into(),
+        values: vec![f10],
+    });
+    let png = plot::lines(
+        &e.out.join("rfmem-personabench-alpha.png"),
+        "PersonaBench Recall@10 against α (all-MiniLM-L6-v2)",
+        ("α", "Recall@10"),
+        &alphas,
+        &sweep,
+    )?;
     table.push_str("\nBy question type, Recall@10 (RF-Mem α = 0.5, τ = 0.25 vs Familiarity):\n\n| type | n | Familiarity | RF-Mem |\n| --- | ---: | ---: | ---: |\n");
     for (cat, acc) in &by_type {
         table.push_str(&format!(
@@ -409,11 +438,12 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
     let file = super::write_table(&e.out, "rfmem-personabench.md", &table)?;
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
-        "  familiarity R@5/R@10 {f5:.4}/{f10:.4}; best recollection {:.4}/{:.4} (α {:.1}); steamrf defaults {d5:.4}/{d10:.4}; table in {}; took {:.0} s",
+        "  familiarity R@5/R@10 {f5:.4}/{f10:.4}; best recollection {:.4}/{:.4} (α {:.1}); steamrf defaults {d5:.4}/{d10:.4}; table in {}; {}; took {:.0} s",
         best_rec.0,
         best_rec.1,
         best_rec.2,
         file.display(),
+        plot::said(&png),
         started.elapsed().as_secs_f64()
     ));
     out.push(format!(

@@ -44,33 +44,35 @@ pub struct SteamEval {
     pub seeds: Vec<u64>,
     /// The embedder.
     pub embed: EmbedConfig,
-    /// Where the markdown table goes.
+    /// Where the markdown table and the plot go.
     pub out: PathBuf,
+    /// ranking, simulation (the AFL protocol) or diversity.
+    pub task: String,
 }
 
 #[derive(Clone)]
-struct User {
-    id: String,
-    history: Vec<String>,
-    target: String,
-    negatives: Vec<String>,
+pub(super) struct User {
+    pub(super) id: String,
+    pub(super) history: Vec<String>,
+    pub(super) target: String,
+    pub(super) negatives: Vec<String>,
 }
 
-fn read(path: &Path) -> Result<String> {
+pub(super) fn read(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|source| Error::Io {
         context: format!("reading {}", path.display()),
         source,
     })
 }
 
-fn bad(what: String) -> Error {
+pub(super) fn bad(what: String) -> Error {
     Error::Config {
         problems: vec![format!("CDs data: {what}")],
     }
 }
 
 /// The users of one sample: test.inter gives history and target, .random the negatives.
-fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
+pub(super) fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
     let random: HashMap<String, Vec<String>> = read(&dir.join(format!("{name}.random")))?
         .lines()
         .filter_map(|l| {
@@ -119,17 +121,17 @@ fn ndcg_at(rank: usize, k: usize) -> f64 {
 
 /// A ranker: candidates (in the shuffled order) → scores (higher is better;
 /// ties keep the shuffled order).
-type Ranker<'a> = Box<dyn Fn(&User, &[String]) -> Vec<f64> + 'a>;
+pub(super) type Ranker<'a> = Box<dyn Fn(&User, &[String]) -> Vec<f64> + 'a>;
 
 /// BM25 (k1 = 1.2, b = 0.75) of each candidate's text against the history's texts.
-struct Bm25 {
+pub(super) struct Bm25 {
     docs: HashMap<String, Vec<String>>,
     df: HashMap<String, usize>,
     n: usize,
     avg: f64,
 }
 
-fn tokens(s: &str) -> Vec<String> {
+pub(super) fn tokens(s: &str) -> Vec<String> {
     s.split(|c: char| !c.is_alphanumeric())
         .filter(|w| !w.is_empty())
         .map(str::to_lowercase)
@@ -137,7 +139,7 @@ fn tokens(s: &str) -> Vec<String> {
 }
 
 impl Bm25 {
-    fn new(texts: &HashMap<String, String>) -> Self {
+    pub(super) fn new(texts: &HashMap<String, String>) -> Self {
         let docs: HashMap<String, Vec<String>> =
             texts.iter().map(|(k, v)| (k.clone(), tokens(v))).collect();
         let mut df = HashMap::new();
@@ -151,7 +153,7 @@ impl Bm25 {
         Self { docs, df, n, avg }
     }
 
-    fn score(&self, query: &[String], doc: &str) -> f64 {
+    pub(super) fn score(&self, query: &[String], doc: &str) -> f64 {
         let Some(d) = self.docs.get(doc) else {
             return 0.0;
         };
@@ -171,10 +173,14 @@ impl Bm25 {
     }
 }
 
-type Items = HashMap<String, (String, String, Vec<f32>)>;
+pub(super) type Items = HashMap<String, (String, String, Vec<f32>)>;
 
 /// Ranks by the STEAM state's `recommend`.
-fn steam_ranker<'a>(state: &'a SteamState, items: &'a Items, p: RecommendParams) -> Ranker<'a> {
+pub(super) fn steam_ranker<'a>(
+    state: &'a SteamState,
+    items: &'a Items,
+    p: RecommendParams,
+) -> Ranker<'a> {
     Box::new(move |u: &User, cands: &[String]| {
         let c: Vec<(String, Vec<f32>)> = cands
             .iter()
@@ -193,7 +199,11 @@ fn steam_ranker<'a>(state: &'a SteamState, items: &'a Items, p: RecommendParams)
 }
 
 /// Runs STEAM's operators over every user's history and returns the state.
-fn steam_state(users: &[User], items: &Items, params: SteamParams) -> Result<SteamState> {
+pub(super) fn steam_state(
+    users: &[User],
+    items: &Items,
+    params: SteamParams,
+) -> Result<SteamState> {
     let mut state = SteamState::new(params, steamrf_schemas::tables::EMBEDDING_DIM);
     let kernel = CpuKernel::default();
     // Position by position (t = 0..6), all users' events of a position form
@@ -249,19 +259,19 @@ fn steam_state(users: &[User], items: &Items, params: SteamParams) -> Result<Ste
 
 /// One evaluation sample: the users, and the training interactions
 /// (user, item) that popularity and item-item CF learn from.
-struct Sample {
-    users: Vec<User>,
-    train: Vec<(String, String)>,
+pub(super) struct Sample {
+    pub(super) users: Vec<User>,
+    pub(super) train: Vec<(String, String)>,
 }
 
 /// Items' titles and categories, and (user, item, timestamp) ratings.
-type MovieLens = (
+pub(super) type MovieLens = (
     HashMap<String, (String, String)>,
     Vec<(String, String, i64)>,
 );
 
 /// MovieLens-100K: u.item (Latin-1; title and genre flags) and u.data.
-fn movielens(dir: &Path) -> Result<MovieLens> {
+pub(super) fn movielens(dir: &Path) -> Result<MovieLens> {
     let genres: Vec<String> = read(&dir.join("u.genre"))?
         .lines()
         .filter_map(|l| l.split('|').next().map(str::to_owned))
@@ -297,43 +307,73 @@ fn movielens(dir: &Path) -> Result<MovieLens> {
     Ok((meta, ratings))
 }
 
-/// 100 users drawn with `seed`; each user's last rating (by timestamp, then
-/// item id) is the target, the earlier ones the history; 9 negatives the
-/// user never rated, from the whole catalogue or from the sampled users' items.
-fn ml_sample(
-    ratings: &[(String, String, i64)],
-    meta: &HashMap<String, (String, String)>,
-    seed: u64,
-    from_users: bool,
-) -> Sample {
+/// Each user's ratings in time order; timestamp ties break by item id,
+/// numerically (ML-100K's ids are numbers).
+pub(super) fn histories(ratings: &[(String, String, i64)]) -> BTreeMap<&str, Vec<(i64, &str)>> {
     let mut by_user: BTreeMap<&str, Vec<(i64, &str)>> = BTreeMap::new();
     for (u, i, ts) in ratings {
         by_user.entry(u).or_default().push((*ts, i));
     }
     for v in by_user.values_mut() {
-        // Timestamp ties break by item id, numerically (ML-100K's ids are numbers).
         let num = |i: &str| (i.parse::<u64>().unwrap_or(u64::MAX), i.to_owned());
         v.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| num(a.1).cmp(&num(b.1))));
     }
+    by_user
+}
+
+/// Where negatives come from: the sampled users' items, or the catalogue.
+pub(super) fn negative_pool<'a>(
+    by_user: &BTreeMap<&'a str, Vec<(i64, &'a str)>>,
+    ids: &[&str],
+    meta: &'a HashMap<String, (String, String)>,
+    from_users: bool,
+) -> Vec<&'a str> {
+    let mut p: Vec<&str> = if from_users {
+        ids.iter()
+            .flat_map(|u| by_user[u].iter().map(|x| x.1))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect()
+    } else {
+        meta.keys().map(String::as_str).collect()
+    };
+    p.sort_unstable();
+    p
+}
+
+/// `n` distinct items of `pool` the user never rated.
+pub(super) fn unseen(
+    rng: &mut StdRng,
+    pool: &[&str],
+    seen: &HashSet<&str>,
+    n: usize,
+) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(n);
+    while out.len() < n {
+        let c = pool[rand::Rng::random_range(rng, 0..pool.len())];
+        if !seen.contains(c) && !out.iter().any(|x| x == c) {
+            out.push(c.to_owned());
+        }
+    }
+    out
+}
+
+/// 100 users drawn with `seed`; each user's last rating (by timestamp, then
+/// item id) is the target, the earlier ones the history; 9 negatives the
+/// user never rated, from the whole catalogue or from the sampled users' items.
+pub(super) fn ml_sample(
+    ratings: &[(String, String, i64)],
+    meta: &HashMap<String, (String, String)>,
+    seed: u64,
+    from_users: bool,
+) -> Sample {
+    let by_user = histories(ratings);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut ids: Vec<&str> = by_user.keys().copied().collect();
     ids.shuffle(&mut rng);
     ids.truncate(100);
     ids.sort_unstable();
-    let pool: Vec<&str> = if from_users {
-        let mut p: Vec<&str> = ids
-            .iter()
-            .flat_map(|u| by_user[u].iter().map(|x| x.1))
-            .collect::<HashSet<_>>()
-            .into_iter()
-            .collect();
-        p.sort_unstable();
-        p
-    } else {
-        let mut p: Vec<&str> = meta.keys().map(String::as_str).collect();
-        p.sort_unstable();
-        p
-    };
+    let pool = negative_pool(&by_user, &ids, meta, from_users);
     let mut users = Vec::new();
     let mut targets = HashSet::new();
     for u in &ids {
@@ -342,13 +382,7 @@ fn ml_sample(
             continue;
         };
         let seen: HashSet<&str> = v.iter().map(|x| x.1).collect();
-        let mut negatives = Vec::new();
-        while negatives.len() < 9 {
-            let c = pool[rand::Rng::random_range(&mut rng, 0..pool.len())];
-            if !seen.contains(c) && !negatives.iter().any(|n: &String| n == c) {
-                negatives.push(c.to_owned());
-            }
-        }
+        let negatives = unseen(&mut rng, &pool, &seen, 9);
         targets.insert((*u, *target));
         users.push(User {
             id: (*u).to_owned(),
@@ -366,13 +400,13 @@ fn ml_sample(
 }
 
 /// Item-item cosine over who interacted: one bitset of users per item.
-struct ItemUsers {
+pub(super) struct ItemUsers {
     sets: HashMap<String, Vec<u64>>,
     counts: HashMap<String, f64>,
 }
 
 impl ItemUsers {
-    fn new(train: &[(String, String)]) -> Self {
+    pub(super) fn new(train: &[(String, String)]) -> Self {
         let mut index: HashMap<&str, usize> = HashMap::new();
         for (u, _) in train {
             let n = index.len();
@@ -396,11 +430,11 @@ impl ItemUsers {
         Self { sets, counts }
     }
 
-    fn count(&self, i: &str) -> f64 {
+    pub(super) fn count(&self, i: &str) -> f64 {
         self.counts.get(i).copied().unwrap_or(0.0)
     }
 
-    fn cosine(&self, a: &str, b: &str) -> f64 {
+    pub(super) fn cosine(&self, a: &str, b: &str) -> f64 {
         let (Some(x), Some(y)) = (self.sets.get(a), self.sets.get(b)) else {
             return 0.0;
         };
@@ -410,52 +444,49 @@ impl ItemUsers {
     }
 }
 
-/// Per method (name, [NDCG@1, @5, @10]), and the memory counts (full, w/o
-/// MC, w/o AMU, published prototypes).
-type Evaluated = (Vec<(&'static str, [f64; 3])>, (usize, usize, usize, usize));
+/// The STEAM states of the full method, w/o MC and w/o AMU.
+pub(super) fn steam_states(users: &[User], items: &Items) -> Result<[SteamState; 3]> {
+    let [full, no_mc, no_amu] = ablations();
+    Ok([
+        steam_state(users, items, full)?,
+        steam_state(users, items, no_mc)?,
+        steam_state(users, items, no_amu)?,
+    ])
+}
 
-/// Every method on one sample.
-fn evaluate(
-    sample: &Sample,
-    items: &Items,
-    texts: &HashMap<String, String>,
-    bm25: &Bm25,
+/// A deterministic pseudo-random score in [0, 1) of (seed, user, item).
+fn noise(seed: u64, user: &str, item: &str) -> f64 {
+    // FNV-1a over the bytes, then splitmix64's finaliser.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
+    for b in user.bytes().chain([0xff]).chain(item.bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (h ^ (h >> 31)) as f64 / 2f64.powi(64)
+}
+
+/// steamrf (states: full, w/o MC, w/o AMU) with its ablations, and the
+/// baselines, each as a scorer of candidates.
+pub(super) fn rankers<'a>(
+    states: &'a [SteamState; 3],
+    items: &'a Items,
+    cf: &'a ItemUsers,
+    texts: &'a HashMap<String, String>,
+    bm25: &'a Bm25,
     seed: u64,
-) -> Result<Evaluated> {
-    let users = &sample.users;
-    let full = SteamParams::default();
-    let no_mc = SteamParams {
-        evolve: EvolveParams {
-            consolidate: false,
-            ..full.evolve
-        },
-        ..full
-    };
-    let no_amu = SteamParams {
-        evolve: EvolveParams {
-            max_memories_per_user: 1,
-            ..full.evolve
-        },
-        ..full
-    };
-    let s_full = steam_state(users, items, full)?;
-    let s_mc = steam_state(users, items, no_mc)?;
-    let s_amu = steam_state(users, items, no_amu)?;
-    let rec = RecommendParams::default();
-    let no_cc = RecommendParams {
-        collab_weight: 0.0,
-        seen_weight: 0.0,
-        ..rec
-    };
-    let cf = ItemUsers::new(&sample.train);
-    let rankers: Vec<(&'static str, Ranker<'_>)> = vec![
-        ("steamrf (STEAM)", steam_ranker(&s_full, items, rec)),
-        ("steamrf w/o CC", steam_ranker(&s_full, items, no_cc)),
-        ("steamrf w/o MC", steam_ranker(&s_mc, items, rec)),
-        ("steamrf w/o AMU", steam_ranker(&s_amu, items, rec)),
+) -> Vec<(&'static str, Ranker<'a>)> {
+    let (rec, no_cc) = recommend_params();
+    vec![
+        ("steamrf (STEAM)", steam_ranker(&states[0], items, rec)),
+        ("steamrf w/o CC", steam_ranker(&states[0], items, no_cc)),
+        ("steamrf w/o MC", steam_ranker(&states[1], items, rec)),
+        ("steamrf w/o AMU", steam_ranker(&states[2], items, rec)),
         (
             "random",
-            Box::new(|_u: &User, c: &[String]| vec![0.0; c.len()]),
+            Box::new(move |u: &User, c: &[String]| {
+                c.iter().map(|i| noise(seed, &u.id, i)).collect()
+            }),
         ),
         (
             "popularity",
@@ -480,7 +511,25 @@ fn evaluate(
                 c.iter().map(|i| bm25.score(&q, i)).collect()
             }),
         ),
-    ];
+    ]
+}
+
+/// Per method (name, [NDCG@1, @5, @10]), and the memory counts (full, w/o
+/// MC, w/o AMU, published prototypes).
+type Evaluated = (Vec<(&'static str, [f64; 3])>, (usize, usize, usize, usize));
+
+/// Every method on one sample.
+fn evaluate(
+    sample: &Sample,
+    items: &Items,
+    texts: &HashMap<String, String>,
+    bm25: &Bm25,
+    seed: u64,
+) -> Result<Evaluated> {
+    let users = &sample.users;
+    let states = steam_states(users, items)?;
+    let cf = ItemUsers::new(&sample.train);
+    let rankers = rankers(&states, items, &cf, texts, bm25, seed);
     let mut rng = StdRng::seed_from_u64(seed);
     let cands: Vec<Vec<String>> = users
         .iter()
@@ -508,83 +557,63 @@ fn evaluate(
         out.push((*name, acc.map(|a| a / users.len().max(1) as f64)));
     }
     let counts = (
-        s_full.len(),
-        s_mc.len(),
-        s_amu.len(),
-        s_full.prototypes().count(),
+        states[0].len(),
+        states[1].len(),
+        states[2].len(),
+        states[0].prototypes().count(),
     );
     Ok((out, counts))
 }
 
-/// Runs the evaluation.
+/// Runs the evaluation (`e.task`: ranking, simulation or diversity).
 ///
 /// # Errors
 /// Missing data or embedding failures.
 pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
-    let started = Instant::now();
-    let (meta, samples, template) = match e.subset.as_str() {
-        "dense" | "sparse" | "cds-dense" | "cds-sparse" => {
-            let sub = e.subset.trim_start_matches("cds-");
-            let name = format!("CDs-100-user-{sub}");
-            let users = users(&e.data.join(&name), &name)?;
-            let train: Vec<(String, String)> = users
-                .iter()
-                .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))
-                .collect();
-            let mut meta = HashMap::new();
-            for l in read(&e.data.join("CDs.item"))?.lines().skip(1) {
-                let f: Vec<&str> = l.split('\t').collect();
-                if f.len() >= 2 {
-                    meta.insert(
-                        f[0].to_owned(),
-                        (f[1].to_owned(), f.get(2).copied().unwrap_or("").to_owned()),
-                    );
-                }
-            }
-            let samples: Vec<Sample> = e
-                .seeds
-                .iter()
-                .map(|_| Sample {
-                    users: users.clone(),
-                    train: train.clone(),
-                })
-                .collect();
-            (
-                meta,
-                samples,
-                "The CD is called '{title}'. The category of this CD is: '{category}'.",
-            )
-        }
-        "ml100k-catalogue" | "ml100k-users" => {
-            let (meta, ratings) = movielens(&e.data)?;
-            let from_users = e.subset == "ml100k-users";
-            let samples = e
-                .seeds
-                .iter()
-                .map(|&seed| ml_sample(&ratings, &meta, seed, from_users))
-                .collect();
-            (
-                meta,
-                samples,
-                "The movie is called '{title}'. Its genres are: '{category}'.",
-            )
-        }
-        other => return Err(bad(format!("unknown subset {other:?}"))),
-    };
-    let mut needed: HashSet<&str> = HashSet::new();
-    for s in &samples {
-        for u in &s.users {
-            needed.extend(u.history.iter().map(String::as_str));
-            needed.extend(u.negatives.iter().map(String::as_str));
-            needed.insert(&u.target);
+    match e.task.as_str() {
+        "ranking" => ranking(e).await,
+        "simulation" => super::simulate::simulation(e).await,
+        "diversity" => super::simulate::diversity(e).await,
+        other => Err(bad(format!(
+            "unknown task {other:?} (ranking, simulation, diversity)"
+        ))),
+    }
+}
+
+/// Item id → (title, category), and the text template of a data set.
+pub(super) type Catalogue = (HashMap<String, (String, String)>, &'static str);
+
+/// The AgentCF CDs items (`CDs.item`) and their text template.
+pub(super) fn cds_catalogue(data: &Path) -> Result<Catalogue> {
+    let mut meta = HashMap::new();
+    for l in read(&data.join("CDs.item"))?.lines().skip(1) {
+        let f: Vec<&str> = l.split('\t').collect();
+        if f.len() >= 2 {
+            meta.insert(
+                f[0].to_owned(),
+                (f[1].to_owned(), f.get(2).copied().unwrap_or("").to_owned()),
+            );
         }
     }
-    let mut ids: Vec<String> = needed
-        .into_iter()
-        .filter(|i| meta.contains_key(*i))
-        .map(str::to_owned)
-        .collect();
+    Ok((
+        meta,
+        "The CD is called '{title}'. The category of this CD is: '{category}'.",
+    ))
+}
+
+/// MovieLens' text template.
+pub(super) const ML_TEMPLATE: &str = "The movie is called '{title}'. Its genres are: '{category}'.";
+
+/// Embeds the items `ids` (those with metadata) with the configured
+/// embedder; returns them, their texts and the seconds it took.
+pub(super) async fn embed_items(
+    embed: &EmbedConfig,
+    (meta, template): &Catalogue,
+    mut ids: Vec<String>,
+) -> Result<(Items, HashMap<String, String>, f64)> {
+    ids.retain(|i| meta.contains_key(i));
     ids.sort();
+    ids.dedup();
     let texts: HashMap<String, String> = ids
         .iter()
         .map(|i| {
@@ -595,39 +624,125 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
             )
         })
         .collect();
-    let embedder = crate::embed::embedder(&e.embed)?.ok_or_else(|| Error::Config {
+    let embedder = crate::embed::embedder(embed)?.ok_or_else(|| Error::Config {
         problems: vec!["embed.engine: eval steam needs an embedder".into()],
     })?;
     let t = Instant::now();
-    let emb = embedder
-        .embed(ids.iter().map(|i| texts[i].clone()).collect())
-        .await
-        .map_err(|e| Error::Embed {
-            retryable: false,
-            source: Box::new(e),
-        })?;
-    let dim = emb.dim;
-    let items: Items = ids
-        .iter()
-        .enumerate()
-        .map(|(k, i)| {
+    let bar = super::progress(ids.len(), "embedding items");
+    let mut items: Items = HashMap::with_capacity(ids.len());
+    for chunk in ids.chunks(256) {
+        let emb = embedder
+            .embed(chunk.iter().map(|i| texts[i].clone()).collect())
+            .await
+            .map_err(|e| Error::Embed {
+                retryable: false,
+                source: Box::new(e),
+            })?;
+        let dim = emb.dim;
+        for (k, i) in chunk.iter().enumerate() {
             let (t, c) = &meta[i];
-            (
+            items.insert(
                 i.clone(),
                 (
                     t.clone(),
                     c.clone(),
                     emb.vectors[k * dim..(k + 1) * dim].to_vec(),
                 ),
-            )
-        })
-        .collect();
+            );
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    Ok((items, texts, t.elapsed().as_secs_f64()))
+}
+
+/// Mean and population standard deviation.
+pub(super) fn mean_sd(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len().max(1) as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// The paper's ablations as parameters: full, w/o MC, w/o AMU.
+pub(super) fn ablations() -> [SteamParams; 3] {
+    let full = SteamParams::default();
+    let no_mc = SteamParams {
+        evolve: EvolveParams {
+            consolidate: false,
+            ..full.evolve
+        },
+        ..full
+    };
+    let no_amu = SteamParams {
+        evolve: EvolveParams {
+            max_memories_per_user: 1,
+            ..full.evolve
+        },
+        ..full
+    };
+    [full, no_mc, no_amu]
+}
+
+/// `recommend` with and without the collaborative terms (w/o CC).
+pub(super) fn recommend_params() -> (RecommendParams, RecommendParams) {
+    let rec = RecommendParams::default();
+    let no_cc = RecommendParams {
+        collab_weight: 0.0,
+        seen_weight: 0.0,
+        ..rec
+    };
+    (rec, no_cc)
+}
+
+/// The ranking protocol.
+async fn ranking(e: SteamEval) -> Result<Vec<String>> {
+    let started = Instant::now();
+    let (catalogue, samples) = match e.subset.as_str() {
+        "dense" | "sparse" | "cds-dense" | "cds-sparse" => {
+            let sub = e.subset.trim_start_matches("cds-");
+            let name = format!("CDs-100-user-{sub}");
+            let users = users(&e.data.join(&name), &name)?;
+            let train: Vec<(String, String)> = users
+                .iter()
+                .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))
+                .collect();
+            let samples: Vec<Sample> = e
+                .seeds
+                .iter()
+                .map(|_| Sample {
+                    users: users.clone(),
+                    train: train.clone(),
+                })
+                .collect();
+            (cds_catalogue(&e.data)?, samples)
+        }
+        "ml100k-catalogue" | "ml100k-users" => {
+            let (meta, ratings) = movielens(&e.data)?;
+            let from_users = e.subset == "ml100k-users";
+            let samples = e
+                .seeds
+                .iter()
+                .map(|&seed| ml_sample(&ratings, &meta, seed, from_users))
+                .collect();
+            ((meta, ML_TEMPLATE), samples)
+        }
+        other => return Err(bad(format!("unknown subset {other:?}"))),
+    };
+    let mut needed: Vec<String> = Vec::new();
+    for s in &samples {
+        for u in &s.users {
+            needed.extend(u.history.iter().cloned());
+            needed.extend(u.negatives.iter().cloned());
+            needed.push(u.target.clone());
+        }
+    }
+    let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
     let mut out = vec![format!(
-        "eval steam: {} ({} users per seed, {} items embedded in {:.1} s), seeds {:?}",
+        "eval steam: {} ({} users per seed, {} items embedded in {took:.1} s), seeds {:?}",
         e.subset,
         samples.first().map_or(0, |s| s.users.len()),
-        ids.len(),
-        t.elapsed().as_secs_f64(),
+        items.len(),
         e.seeds
     )];
 
@@ -636,20 +751,18 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
     let mut names: Vec<&'static str> = Vec::new();
     let mut results: BTreeMap<usize, Vec<[f64; 3]>> = BTreeMap::new();
     let mut memories = (0, 0, 0, 0);
+    let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
         let (rows, m) = evaluate(sample, &items, &texts, &bm25, seed)?;
+        bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();
         for (ri, (_, v)) in rows.into_iter().enumerate() {
             results.entry(ri).or_default().push(v);
         }
     }
-    let stat = |v: &[[f64; 3]], m: usize| {
-        let n = v.len() as f64;
-        let mean = v.iter().map(|x| x[m]).sum::<f64>() / n;
-        let var = v.iter().map(|x| (x[m] - mean).powi(2)).sum::<f64>() / n;
-        (mean, var.sqrt())
-    };
+    bar.finish_and_clear();
+    let stat = |v: &[[f64; 3]], m: usize| mean_sd(&v.iter().map(|x| x[m]).collect::<Vec<_>>());
     let mut table = format!(
         "{} ({} users per seed, 1 target + 9 negatives), {} seeds\n\n| method | NDCG@1 | NDCG@5 | NDCG@10 |\n| --- | ---: | ---: | ---: |\n",
         e.subset,
@@ -671,14 +784,34 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
         table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));
     }
     let file = super::write_table(&e.out, &format!("steam-{}.md", e.subset), &table)?;
+    let series: Vec<super::plot::Series> = names
+        .iter()
+        .enumerate()
+        .map(|(ri, name)| super::plot::Series {
+            name: (*name).to_owned(),
+            values: (0..3).map(|m| stat(&results[&ri], m).0).collect(),
+        })
+        .collect();
+    let plot = super::plot::bars(
+        &e.out.join(format!("steam-{}.png", e.subset)),
+        &format!(
+            "STEAM ranking protocol, {} (mean of {} seeds)",
+            e.subset,
+            e.seeds.len()
+        ),
+        "NDCG",
+        &["NDCG@1", "NDCG@5", "NDCG@10"],
+        &series,
+    )?;
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
-        "  memories {} (w/o MC {}, w/o AMU {}), published prototypes {} (last seed); table in {}; took {:.0} s",
+        "  memories {} (w/o MC {}, w/o AMU {}), published prototypes {} (last seed); table in {}; {}; took {:.0} s",
         memories.0,
         memories.1,
         memories.2,
         memories.3,
         file.display(),
+        super::plot::said(&plot),
         started.elapsed().as_secs_f64()
     ));
     out.push(format!(
