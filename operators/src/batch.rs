@@ -37,11 +37,19 @@ pub enum FlushReason {
     Linger,
     /// Shutdown or rebalance: flush whatever is buffered.
     Drain,
+    /// A `forget` event: what came before it is written first.
+    Forget,
 }
 
 impl FlushReason {
     /// Every reason, for pre-registering metric label values.
-    pub const ALL: [Self; 4] = [Self::Rows, Self::Bytes, Self::Linger, Self::Drain];
+    pub const ALL: [Self; 5] = [
+        Self::Rows,
+        Self::Bytes,
+        Self::Linger,
+        Self::Drain,
+        Self::Forget,
+    ];
 
     /// The metric label value.
     pub fn as_str(self) -> &'static str {
@@ -50,6 +58,7 @@ impl FlushReason {
             Self::Bytes => "bytes",
             Self::Linger => "linger",
             Self::Drain => "drain",
+            Self::Forget => "forget",
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod embed;
 pub mod error;
 pub mod eval;
+pub mod forget;
 pub mod http;
 pub mod metrics;
 pub mod pipeline;

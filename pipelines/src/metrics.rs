@@ -50,6 +50,8 @@ pub struct Metrics {
     pub write_duration: HistogramVec,
     /// Records (valid and dead-lettered) whose offsets were committed.
     pub records_committed: IntCounter,
+    /// `forget` events carried out.
+    pub forgets: IntCounter,
     /// Offset commits, by result (ok, error).
     pub commits: IntCounterVec,
     /// Errors, by component and error type.
@@ -277,6 +279,15 @@ impl Metrics {
             },
             records_committed: {
                 let c = IntCounter::new("steamrf_source_records_committed_total", "Records (valid and dead-lettered) whose offsets were committed after a durable write.").expect("valid metric");
+                r.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
+            forgets: {
+                let c = IntCounter::new(
+                    "steamrf_forgets_total",
+                    "Forget events carried out (user's rows deleted, tables compacted and pruned).",
+                )
+                .expect("valid metric");
                 r.register(Box::new(c.clone())).expect("unique metric");
                 c
             },

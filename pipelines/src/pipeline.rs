@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use crate::config::Config;
 use crate::embed::EmbedStage;
 use crate::error::{Error, Result, backoff};
+use crate::forget;
 use crate::metrics::Metrics;
 use crate::sink::LanceSink;
 use crate::source::{self, KafkaConsumer, SourceBatch, SourceLoop};
@@ -356,7 +357,7 @@ async fn embed_batch(
 
 async fn write_batch(
     sink: &LanceSink,
-    steam: Option<&mut SteamStage>,
+    mut steam: Option<&mut SteamStage>,
     consumer: &KafkaConsumer,
     metrics: &Metrics,
     batch: SourceBatch,
@@ -393,7 +394,7 @@ async fn write_batch(
     // The write path runs on what was just written, before the commit: a
     // failure stops the pipeline uncommitted, and the restart restores the
     // memory state from its tables and replays the batch (idempotently).
-    if let Some(steam) = steam {
+    if let Some(steam) = steam.as_deref_mut() {
         let st = steam.apply(&batch.tables).await.inspect_err(|e| {
             metrics.error("steam", e);
         })?;
@@ -403,6 +404,19 @@ async fn write_batch(
             links = st.links,
             prototypes = st.prototypes,
             "STEAM batch applied."
+        );
+    }
+    // A forget runs after everything before it in its partitions was
+    // written, and before its offset commits: a crash re-runs it (it is
+    // idempotent).
+    for (event_id, user_id) in &batch.forgets {
+        let receipt = forget::forget(sink, steam.as_deref_mut(), user_id, Some(event_id))
+            .await
+            .inspect_err(|e| metrics.error("forget", e))?;
+        metrics.forgets.inc();
+        tracing::info!(
+            receipt = %serde_json::to_string(&receipt).unwrap_or_default(),
+            "Forget done."
         );
     }
     for f in batch.dead_letters {

@@ -178,7 +178,8 @@ impl LanceSink {
         })
     }
 
-    fn table(&self, t: TableName) -> &Table {
+    /// The handle of one table.
+    pub(crate) fn table(&self, t: TableName) -> &Table {
         &self.tables[&t].table
     }
 

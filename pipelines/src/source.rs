@@ -20,7 +20,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use steamrf_operators::batch::{BatchTracker, FlushReason};
-use steamrf_schemas::{DecodeError, Provenance, TableBatches, TableBuilders, decode};
+use steamrf_schemas::{DecodeError, Event, Provenance, TableBatches, TableBuilders, decode};
 use tokio::sync::mpsc;
 
 use crate::config::KafkaConfig;
@@ -59,6 +59,9 @@ pub struct SourceBatch {
     pub opened_at: Instant,
     /// Why it was cut.
     pub reason: FlushReason,
+    /// `forget` events: (event id, user id). A batch that carries one
+    /// carries nothing else; the writer runs it before committing.
+    pub forgets: Vec<(String, String)>,
 }
 
 /// Consumer callbacks: rebalance logging and the lag gauge.
@@ -330,16 +333,39 @@ impl SourceLoop {
                     let payload = msg.payload().unwrap_or_default();
                     received[topic_idx].inc();
                     received_bytes[topic_idx].inc_by(payload.len() as u64);
-                    let slot = pending
-                        .offsets
-                        .entry((topic_idx, msg.partition()))
-                        .or_insert(0);
-                    *slot = (*slot).max(msg.offset() + 1);
                     let decoded = if payload.len() > max_event_bytes {
                         Err(DecodeError::oversize(payload.len(), max_event_bytes))
                     } else {
                         decode(payload)
                     };
+                    if let Ok(Event::Forget(f)) = &decoded {
+                        // Everything polled before it is written first; the
+                        // forget travels alone, with its own offset.
+                        self.flush(&mut pending, opened_at, FlushReason::Forget, tx)?;
+                        self.send(
+                            SourceBatch {
+                                tables: TableBuilders::default().finish()?,
+                                offsets: vec![(
+                                    topics[topic_idx].clone(),
+                                    msg.partition(),
+                                    msg.offset() + 1,
+                                )],
+                                dead_letters: Vec::new(),
+                                records: 1,
+                                bytes: payload.len(),
+                                opened_at: now,
+                                reason: FlushReason::Forget,
+                                forgets: vec![(f.event_id.to_string(), f.user_id.to_string())],
+                            },
+                            tx,
+                        )?;
+                        continue;
+                    }
+                    let slot = pending
+                        .offsets
+                        .entry((topic_idx, msg.partition()))
+                        .or_insert(0);
+                    *slot = (*slot).max(msg.offset() + 1);
                     match decoded {
                         Ok(event) => pending.builders.append(
                             &event,
@@ -462,7 +488,13 @@ impl SourceLoop {
             bytes,
             opened_at,
             reason,
+            forgets: Vec::new(),
         };
+        self.send(batch, tx)
+    }
+
+    fn send(&self, batch: SourceBatch, tx: &mpsc::Sender<SourceBatch>) -> Result<()> {
+        let (reason, records, bytes) = (batch.reason, batch.records, batch.bytes);
         self.metrics
             .batches
             .with_label_values(&[reason.as_str()])

@@ -69,6 +69,23 @@ pub struct SteamStats {
     pub prototypes: u64,
 }
 
+/// What [`SteamStage::forget`] removed and changed.
+#[derive(Debug, Clone, Default)]
+pub struct SteamForget {
+    /// Rows deleted from `memories`.
+    pub memories: u64,
+    /// Rows deleted from `memory_links`.
+    pub links: u64,
+    /// Other users' memories re-linked.
+    pub relinked: u64,
+    /// Prototypes rebuilt.
+    pub prototypes_rebuilt: u64,
+    /// Prototypes withdrawn.
+    pub prototypes_withdrawn: u64,
+    /// What was left to another process, if anything.
+    pub note: Option<String>,
+}
+
 /// The stage.
 pub struct SteamStage {
     state: SteamState,
@@ -505,6 +522,68 @@ impl SteamStage {
         self.persist_with_retries(&changed, &link).await?;
         self.record(&stats, &link, started);
         Ok(stats)
+    }
+
+    /// The stage's tables: memories, memory_links, prototypes.
+    pub(crate) fn tables(&self) -> [&Table; 3] {
+        [&self.memories, &self.links, &self.prototypes]
+    }
+
+    /// Deletes the user's memories and every link to or from them, and
+    /// persists what that changed: the re-linked memories' links, rebuilt
+    /// and withdrawn prototypes (docs/reliability.md). On an ingest instance
+    /// of the scaled-out write path only the memories go (see the note).
+    ///
+    /// # Errors
+    /// LanceDB or kernel failures.
+    pub async fn forget(&mut self, user_id: &str) -> Result<SteamForget> {
+        let (gone, mut link) = self
+            .state
+            .forget_user(self.kernel.as_ref(), user_id)
+            .map_err(kernel_err)?;
+        let mut out = SteamForget::default();
+        if !self.writer {
+            let filter = format!("user_id = {}", crate::forget::quoted(user_id));
+            out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
+        }
+        if self.publish.is_some() {
+            out.note = Some(
+                "steam.communities = \"topic\": links and prototypes are kept by `steamrf communities`; run `steamrf forget` with the steamrf processes stopped to remove them too".into(),
+            );
+            return Ok(out);
+        }
+        if !gone.is_empty() {
+            let list = gone
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            out.links = crate::forget::delete_counted(
+                &self.links,
+                &format!("from_id IN ({list}) OR to_id IN ({list})"),
+            )
+            .await?;
+        }
+        self.llm_contents(&[], &mut link).await;
+        let mut relinked: Vec<MemoryId> = link
+            .links
+            .iter()
+            .map(|l| l.from)
+            .chain(link.links_removed.iter().map(|l| l.0))
+            .collect();
+        relinked.sort_unstable();
+        relinked.dedup();
+        out.relinked = relinked.len() as u64;
+        out.prototypes_rebuilt = link.prototypes.len() as u64;
+        out.prototypes_withdrawn = link.prototypes_removed.len() as u64;
+        self.persist_with_retries(&relinked, &link).await?;
+        tracing::debug!(
+            user_id,
+            memories = gone.len(),
+            relinked = relinked.len(),
+            "STEAM state forgot a user."
+        );
+        Ok(out)
     }
 
     /// [`Self::persist`], retried as a whole on retryable errors (every write

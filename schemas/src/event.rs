@@ -36,16 +36,19 @@ pub enum EventType {
     Item,
     /// A user's static attributes.
     Profile,
+    /// A request to delete everything stored about a user.
+    Forget,
 }
 
 impl EventType {
     /// Every event type.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Click,
         Self::Purchase,
         Self::DialogueTurn,
         Self::Item,
         Self::Profile,
+        Self::Forget,
     ];
 
     /// The wire name, as in the `type` field.
@@ -56,6 +59,7 @@ impl EventType {
             Self::DialogueTurn => "dialogue_turn",
             Self::Item => "item",
             Self::Profile => "profile",
+            Self::Forget => "forget",
         }
     }
 
@@ -169,6 +173,19 @@ pub struct ProfileEvent<'a> {
     pub attributes: Option<Cow<'a, str>>,
 }
 
+/// A right-to-be-forgotten request: delete the user's interactions, profile,
+/// memories and links (events of the user after it in the partition are
+/// stored again).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForgetEvent<'a> {
+    /// Producer-assigned unique id (echoed in the receipt).
+    pub event_id: Cow<'a, str>,
+    /// Event time, ms since the epoch.
+    pub timestamp_ms: i64,
+    /// The user to forget.
+    pub user_id: Cow<'a, str>,
+}
+
 /// A decoded event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event<'a> {
@@ -178,6 +195,8 @@ pub enum Event<'a> {
     Item(ItemEvent<'a>),
     /// `profile`.
     Profile(ProfileEvent<'a>),
+    /// `forget`: not a row; the pipeline runs it between batches.
+    Forget(ForgetEvent<'a>),
 }
 
 impl Event<'_> {
@@ -187,6 +206,7 @@ impl Event<'_> {
             Self::Interaction(e) => &e.event_id,
             Self::Item(e) => &e.event_id,
             Self::Profile(e) => &e.event_id,
+            Self::Forget(e) => &e.event_id,
         }
     }
 }
@@ -403,7 +423,7 @@ impl<'a> Raw<'a> {
                 DecodeErrorKind::UnknownType,
                 "type",
                 format!(
-                    "unknown event type {kind:?} (expected one of click, purchase, dialogue_turn, item, profile)"
+                    "unknown event type {kind:?} (expected one of click, purchase, dialogue_turn, item, profile, forget)"
                 ),
             )
         })?;
@@ -561,6 +581,11 @@ impl<'a> Raw<'a> {
                 timestamp_ms,
                 user_id: id("user_id", self.user_id)?,
                 attributes: json_object("attributes", self.attributes)?,
+            }),
+            EventType::Forget => Event::Forget(ForgetEvent {
+                event_id,
+                timestamp_ms,
+                user_id: id("user_id", self.user_id)?,
             }),
         };
         Ok(event)

@@ -192,6 +192,8 @@ pub fn event_schema(ty: EventType) -> SchemaRef {
             TableName::Profiles,
             &["user_id", "event_id", "timestamp", "attributes"],
         ),
+        // Not stored: the fields it carries.
+        EventType::Forget => pick(TableName::Profiles, &["user_id", "event_id", "timestamp"]),
     }
 }
 
@@ -430,6 +432,8 @@ impl TableBuilders {
             Event::Interaction(e) => self.interactions.append(e, provenance),
             Event::Item(e) => self.items.append(e, provenance),
             Event::Profile(e) => self.profiles.append(e, provenance),
+            // Run between batches by the pipeline, never stored.
+            Event::Forget(_) => {}
         }
     }
 

@@ -350,3 +350,25 @@ fn never_panics_on_arbitrary_bytes() {
         }
     }
 }
+
+#[test]
+fn forget_names_the_user_and_nothing_else_is_required() {
+    match ok(
+        r#"{"type":"forget","schema_version":1,"event_id":"f1","timestamp":1700000000000,"user_id":"alice"}"#,
+    ) {
+        Event::Forget(f) => {
+            assert_eq!((&*f.event_id, &*f.user_id), ("f1", "alice"));
+        }
+        other => panic!("{other:?}"),
+    }
+    err(
+        r#"{"type":"forget","schema_version":1,"event_id":"f1","timestamp":1700000000000}"#,
+        DecodeErrorKind::MissingField,
+        "user_id",
+    );
+    err(
+        r#"{"type":"forget","schema_version":1,"event_id":"f1","timestamp":1700000000000,"user_id":""}"#,
+        DecodeErrorKind::InvalidField,
+        "user_id",
+    );
+}

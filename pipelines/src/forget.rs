@@ -1,0 +1,248 @@
+//! The right to be forgotten: `steamrf forget USER` and the `forget` event.
+//!
+//! One procedure for both: delete the user's rows from `interactions` and
+//! `profiles`; through the STEAM stage delete their memories and every link
+//! to or from them, re-link the other users' memories that pointed at them,
+//! rebuild or withdraw the affected prototypes; then rewrite every fragment
+//! of the touched tables that holds a deleted row (compaction with deletions
+//! materialised, whatever their share) and prune every older table version,
+//! so the deleted bytes leave the disk (or the bucket). The receipt says what
+//! went, per table. Running it twice is harmless: the second finds nothing.
+
+use std::time::Instant;
+
+use lancedb::Table;
+use lancedb::table::{CompactionOptions, Duration as LanceDuration, OptimizeAction};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::sink::LanceSink;
+use crate::steam::SteamStage;
+
+/// What a forget removed.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Receipt {
+    /// The user.
+    pub user_id: String,
+    /// The `forget` event's id (none from the command line).
+    pub event_id: Option<String>,
+    /// Rows deleted from `interactions`.
+    pub interactions: u64,
+    /// Rows deleted from `profiles`.
+    pub profiles: u64,
+    /// Rows deleted from `memories`.
+    pub memories: u64,
+    /// Rows deleted from `memory_links` (to or from the user's memories).
+    pub links: u64,
+    /// Other users' memories whose links were searched again.
+    pub memories_relinked: u64,
+    /// Prototypes rebuilt without the user.
+    pub prototypes_rebuilt: u64,
+    /// Prototypes withdrawn (their community fell apart or below the floor).
+    pub prototypes_withdrawn: u64,
+    /// Disk clean-up per touched table.
+    pub tables: Vec<TableCleanup>,
+    /// What this forget could not do, if anything.
+    pub note: Option<String>,
+    /// Wall time, milliseconds.
+    pub took_ms: u64,
+    /// When it finished (RFC 3339, UTC).
+    pub completed_at: String,
+}
+
+/// The clean-up of one table after the deletes.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct TableCleanup {
+    /// The table.
+    pub table: String,
+    /// Fragments rewritten without the deleted rows.
+    pub fragments_rewritten: u64,
+    /// Old versions pruned.
+    pub versions_pruned: u64,
+    /// Bytes of old data, deletion and index files removed.
+    pub bytes_removed: u64,
+}
+
+/// Rewrites every fragment of `table` that has deleted rows and prunes all
+/// older versions. Safe beside concurrent writers: only files that some
+/// pruned version referenced are removed, never unreferenced (possibly
+/// in-flight) ones.
+///
+/// # Errors
+/// LanceDB failures.
+pub async fn purge(table: &Table) -> Result<TableCleanup> {
+    let name = table.name().to_owned();
+    // A handle reads the version it opened; clean the newest.
+    table
+        .checkout_latest()
+        .await
+        .map_err(Error::lance(format!("refreshing {name}")))?;
+    let compacted = table
+        .optimize(OptimizeAction::Compact {
+            options: CompactionOptions {
+                materialize_deletions: true,
+                materialize_deletions_threshold: 0.0,
+                ..CompactionOptions::default()
+            },
+            remap_options: None,
+        })
+        .await
+        .map_err(Error::lance(format!("compacting {name}")))?;
+    let pruned = table
+        .optimize(OptimizeAction::Prune {
+            older_than: Some(LanceDuration::zero()),
+            delete_unverified: Some(false),
+            error_if_tagged_old_versions: Some(false),
+        })
+        .await
+        .map_err(Error::lance(format!("pruning {name}")))?;
+    Ok(TableCleanup {
+        table: name,
+        fragments_rewritten: compacted
+            .compaction
+            .map_or(0, |c| c.fragments_removed as u64),
+        versions_pruned: pruned.prune.as_ref().map_or(0, |p| p.old_versions),
+        bytes_removed: pruned.prune.as_ref().map_or(0, |p| p.bytes_removed),
+    })
+}
+
+/// A SQL string literal.
+pub(crate) fn quoted(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Counts then deletes the rows matching `filter`.
+///
+/// # Errors
+/// LanceDB failures.
+pub(crate) async fn delete_counted(table: &Table, filter: &str) -> Result<u64> {
+    table
+        .checkout_latest()
+        .await
+        .map_err(Error::lance(format!("refreshing {}", table.name())))?;
+    let n = table
+        .count_rows(Some(filter.to_owned()))
+        .await
+        .map_err(Error::lance(format!("counting in {}", table.name())))? as u64;
+    if n > 0 {
+        table
+            .delete(filter)
+            .await
+            .map_err(Error::lance(format!("deleting from {}", table.name())))?;
+    }
+    Ok(n)
+}
+
+/// Forgets `user_id` everywhere steamrf stores it (module docs).
+///
+/// # Errors
+/// LanceDB or kernel failures; the forget can simply be run again.
+pub async fn forget(
+    sink: &LanceSink,
+    steam: Option<&mut SteamStage>,
+    user_id: &str,
+    event_id: Option<&str>,
+) -> Result<Receipt> {
+    let started = Instant::now();
+    let mut r = Receipt {
+        user_id: user_id.to_owned(),
+        event_id: event_id.map(str::to_owned),
+        ..Receipt::default()
+    };
+    let filter = format!("user_id = {}", quoted(user_id));
+    let mut touched: Vec<&Table> = Vec::new();
+    for name in [
+        steamrf_schemas::TableName::Interactions,
+        steamrf_schemas::TableName::Profiles,
+    ] {
+        let table = sink.table(name);
+        let n = delete_counted(table, &filter).await?;
+        match name {
+            steamrf_schemas::TableName::Interactions => r.interactions = n,
+            _ => r.profiles = n,
+        }
+        touched.push(table);
+    }
+    let mut cleanups = Vec::new();
+    for t in touched {
+        cleanups.push(purge(t).await?);
+    }
+    if let Some(stage) = steam {
+        let s = stage.forget(user_id).await?;
+        r.memories = s.memories;
+        r.links = s.links;
+        r.memories_relinked = s.relinked;
+        r.prototypes_rebuilt = s.prototypes_rebuilt;
+        r.prototypes_withdrawn = s.prototypes_withdrawn;
+        r.note = s.note;
+        for t in stage.tables() {
+            cleanups.push(purge(t).await?);
+        }
+    }
+    r.tables = cleanups;
+    r.took_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    r.completed_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    Ok(r)
+}
+
+/// `steamrf forget USER`: opens the tables (and, where memories exist, the
+/// STEAM state) and forgets the user. Meant for a stopped pipeline: a running
+/// one still holds the user's memories in memory; send it a `forget` event
+/// instead.
+///
+/// # Errors
+/// Configuration, LanceDB or kernel failures.
+pub async fn run(config: &crate::Config, user_id: &str) -> Result<Receipt> {
+    if let Err(e) = steamrf_schemas::decode(
+        serde_json::json!({
+            "type": "forget", "schema_version": 1, "event_id": "cli",
+            "timestamp": 0, "user_id": user_id,
+        })
+        .to_string()
+        .as_bytes(),
+    ) {
+        return Err(Error::Config {
+            problems: vec![format!("USER: {e}")],
+        });
+    }
+    let metrics = crate::Metrics::new(&config.kafka.topics);
+    let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
+    let db = crate::sink::connect(&config.lancedb).await?;
+    let names = db
+        .table_names()
+        .execute()
+        .await
+        .map_err(Error::lance("listing tables"))?;
+    let has_memories = names
+        .iter()
+        .any(|n| n == steamrf_schemas::memory::MemoryTable::Memories.as_str());
+    let mut stage = if config.steam.enabled || has_memories {
+        Some(
+            SteamStage::open(
+                &db,
+                config.steam_params(),
+                crate::pipeline::steam_kernel(config, &metrics)?,
+                None,
+                crate::pipeline::llm_client(config)?,
+                metrics,
+                None,
+            )
+            .await?,
+        )
+    } else {
+        None
+    };
+    forget(&sink, stage.as_mut(), user_id, None).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_ids_are_quoted_as_sql_literals() {
+        assert_eq!(quoted("alice"), "'alice'");
+        assert_eq!(quoted("o'brien"), "'o''brien'");
+        assert_eq!(quoted("x' OR '1'='1"), "'x'' OR ''1''=''1'");
+    }
+}

@@ -1,0 +1,450 @@
+//! Reliability and privacy end to end: the right to be forgotten.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+
+use crate::steam_events;
+use crate::support::*;
+
+/// Whether any file under `dir` contains `needle` (the table directory as a
+/// whole: data, deletion, index, manifest and transaction files).
+fn bytes_on_disk(dir: &Path, needle: &str) -> Vec<String> {
+    let mut hits = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let b = std::fs::read(&p).unwrap();
+                if b.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                    hits.push(p.display().to_string());
+                }
+            }
+        }
+    }
+    hits
+}
+
+fn line(topic: &str, n: &str, body: &str) -> String {
+    format!(r#"{{"schema_version":1,"event_id":"{topic}-{n}","timestamp":1764000500000,{body}}}"#)
+}
+
+/// A `forget` event (Kafka) and `steamrf forget` (offline) each delete a
+/// user everywhere: rows, memories, links, and their share of prototypes;
+/// after the clean-up the text is gone from every file of the tables, and
+/// the retrieval service cannot return it, not even through a prototype.
+#[test]
+fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-forget");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    // user3 says something unique; user0's profile is unique too ("jazz piano").
+    let marker = "Quokkamarmalade";
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    text.push_str(&line(
+        &topic,
+        "secret",
+        &format!(r#""type":"dialogue_turn","user_id":"user3","session_id":"s9","role":"user","text":"My {marker} bebop jazz standards collection""#),
+    ));
+    text.push('\n');
+    std::fs::write(&file, text).unwrap();
+    produce_all(&topic, 1, &file);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &dlq,
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let extra = "[steam]\nenabled = true\n";
+    cfg.run_to_idle(extra);
+    let config = cfg.write_with(extra);
+    let uri = cfg.lancedb_uri();
+    let lancedb = Path::new(&uri);
+    // The check can fail: before the forget the text is on disk, user3 has
+    // rows and memories, and a published jazz prototype counts four users.
+    assert!(!bytes_on_disk(lancedb, marker).is_empty());
+    assert!(!bytes_on_disk(lancedb, "jazz piano").is_empty());
+    let user3 = "SELECT count(*) AS n FROM interactions WHERE user_id = 'user3'";
+    assert_eq!(sql_count(&uri, user3), 6);
+    assert!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memories WHERE user_id = 'user3'"
+        ) > 0
+    );
+    assert_eq!(
+        sql_count(&uri, "SELECT max(users) AS n FROM prototypes"),
+        4,
+        "{}",
+        sql_text(&uri, "SELECT users, content FROM prototypes")
+    );
+
+    // 1. Through Kafka, with the pipeline running: a forget, then a later
+    // click of the same user, which is kept (the user came back).
+    let more = dir.path().join("forget.jsonl");
+    std::fs::write(
+        &more,
+        format!(
+            "{}\n{}\n",
+            line(&topic, "forget", r#""type":"forget","user_id":"user3""#),
+            line(
+                &topic,
+                "after",
+                r#""type":"click","user_id":"user3","item_id":"space2""#
+            )
+        ),
+    )
+    .unwrap();
+    produce_all(&topic, 1, &more);
+    let mut p = Pipeline::start(&config, Some("3s"));
+    assert!(
+        p.wait(Duration::from_secs(120)).success(),
+        "{}",
+        p.log_text()
+    );
+    let log = p.log_text();
+    assert!(log.contains("Forget done."), "{log}");
+    assert!(log.contains(r#""user_id":"user3""#), "{log}");
+    assert!(
+        log.contains(r#""interactions":6"#),
+        "3 clicks, 3 turns: {log}"
+    );
+    assert_eq!(
+        sql_text(
+            &uri,
+            "SELECT event_id FROM interactions WHERE user_id = 'user3'"
+        )
+        .trim(),
+        sql_text(
+            &uri,
+            &format!("SELECT event_id FROM interactions WHERE event_id = '{topic}-after'")
+        )
+        .trim(),
+        "only the click after the forget remains"
+    );
+    assert_eq!(sql_count(&uri, user3), 1);
+    let hits = bytes_on_disk(lancedb, marker);
+    assert!(
+        hits.is_empty(),
+        "the forgotten text is still on disk: {hits:?}"
+    );
+    for (table, column) in [("memories", "content"), ("prototypes", "content")] {
+        assert_eq!(
+            sql_count(
+                &uri,
+                &format!("SELECT count(*) AS n FROM {table} WHERE {column} LIKE '%{marker}%'")
+            ),
+            0
+        );
+    }
+    // No link points at a memory that no longer exists.
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memory_links l LEFT JOIN memories m ON l.to_id = m.memory_id WHERE m.memory_id IS NULL"
+        ),
+        0
+    );
+
+    // 2. Offline, with the command: user0 (clicks, a purchase, a profile).
+    let out = Command::new(steamrf_bin())
+        .args(["forget", "user0", "--config"])
+        .arg(&config)
+        .env("STEAMRF_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let receipt: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(receipt["user_id"], "user0");
+    assert_eq!(receipt["interactions"], 4, "{receipt}");
+    assert_eq!(receipt["profiles"], 1, "{receipt}");
+    assert!(receipt["memories"].as_u64().unwrap() >= 2, "{receipt}");
+    assert!(receipt["links"].as_u64().unwrap() > 0, "{receipt}");
+    let tables: Vec<&str> = receipt["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["table"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tables,
+        [
+            "interactions",
+            "profiles",
+            "memories",
+            "memory_links",
+            "prototypes"
+        ]
+    );
+    assert!(
+        receipt["tables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["versions_pruned"].as_u64().unwrap() > 0),
+        "{receipt}"
+    );
+    for table in ["interactions", "profiles", "memories"] {
+        assert_eq!(
+            sql_count(
+                &uri,
+                &format!("SELECT count(*) AS n FROM {table} WHERE user_id = 'user0'")
+            ),
+            0
+        );
+    }
+    let hits = bytes_on_disk(lancedb, "jazz piano");
+    assert!(
+        hits.is_empty(),
+        "user0's profile is still on disk: {hits:?}"
+    );
+    // Only user1 and user2 remain in the jazz community: below the floor of
+    // three users, its prototype is withdrawn.
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM prototypes WHERE content LIKE '%Jazz%'"
+        ),
+        0,
+        "{}",
+        sql_text(&uri, "SELECT users, content FROM prototypes")
+    );
+    // Running it again finds nothing and still succeeds.
+    let again = Command::new(steamrf_bin())
+        .args(["forget", "user0", "--config"])
+        .arg(&config)
+        .env("STEAMRF_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(again.status.success());
+    let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(again["interactions"], 0);
+    assert_eq!(again["memories"], 0);
+
+    // 3. The retrieval service: neither user's text comes back, for them or
+    // for anyone else, directly or through prototypes.
+    let service = Service::start(&config);
+    for user in ["user0", "user1", "user2", "user3"] {
+        let (status, body) = service.post(
+            "/v1/retrieve",
+            None,
+            &format!(
+                r#"{{"user_id":"{user}","query":"{marker} jazz piano bebop standards","k":10,"collaborative":true}}"#
+            ),
+        );
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let answer = format!("{}{}", v["items"], v["collaborative"]);
+        let secret = format!("{topic}-secret");
+        for gone in [marker, "jazz piano", "user0", &secret] {
+            assert!(
+                !answer.contains(gone),
+                "{gone} came back for {user}: {body}"
+            );
+        }
+    }
+}
+
+/// Items in four genres, then clicks and one user turn per user, in one
+/// partition (an item always precedes the clicks on it). Returns how many
+/// interactions the STEAM stage observes (clicks and user turns).
+fn stress_events(topic: &str, file: &Path, users: usize, clicks: usize) -> (usize, usize) {
+    let genres = [
+        ("Jazz", "Bebop Standards"),
+        ("Science Fiction", "Space Opera Saga"),
+        ("Cooking", "Italian Kitchen"),
+        ("Gardening", "Rose Garden Handbook"),
+    ];
+    let mut lines = Vec::new();
+    let mut n = 0;
+    let mut ev = |body: String| {
+        n += 1;
+        lines.push(format!(
+            r#"{{"schema_version":1,"event_id":"{topic}-{n}","timestamp":{},{body}}}"#,
+            1_764_000_000_000i64 + n * 1000
+        ));
+    };
+    for (g, (genre, title)) in genres.iter().enumerate() {
+        for i in 0..6 {
+            ev(format!(
+                r#""type":"item","item_id":"i{g}-{i}","title":"{title} Volume {i}","categories":["{genre}"]"#
+            ));
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut interactions = 0;
+    for k in 0..clicks {
+        for u in 0..users {
+            // Each user mostly clicks two genres of their own.
+            let g = if rng.random_bool(0.8) {
+                (u + k % 2) % 4
+            } else {
+                rng.random_range(0..4)
+            };
+            ev(format!(
+                r#""type":"click","user_id":"u{u}","item_id":"i{g}-{}""#,
+                rng.random_range(0..6)
+            ));
+            interactions += 1;
+        }
+        if k == clicks / 2 {
+            for u in 0..users {
+                ev(format!(
+                    r#""type":"dialogue_turn","user_id":"u{u}","session_id":"s{u}","role":"user","text":"More {} please, user {u} here""#,
+                    genres[u % 4].1
+                ));
+                interactions += 1;
+            }
+        }
+    }
+    std::fs::write(file, lines.join("\n") + "\n").unwrap();
+    (lines.len(), interactions)
+}
+
+/// After any crash: no interaction twice, each observed interaction in
+/// exactly one memory, no link to a missing memory, no prototype member
+/// missing. Returns (interactions, memories' interaction count).
+fn assert_consistent(uri: &str) -> (i64, i64) {
+    let rows = try_sql_count(uri, "SELECT count(*) AS n FROM interactions").unwrap_or(0);
+    if rows == 0 {
+        return (0, 0);
+    }
+    assert_eq!(
+        rows,
+        sql_count(
+            uri,
+            "SELECT count(DISTINCT event_id) AS n FROM interactions"
+        )
+    );
+    let Some(linked) = try_sql_count(
+        uri,
+        "SELECT count(*) AS n FROM (SELECT unnest(interaction_ids) AS i FROM memories)",
+    ) else {
+        return (rows, 0);
+    };
+    assert_eq!(
+        linked,
+        sql_count(
+            uri,
+            "SELECT count(DISTINCT i) AS n FROM (SELECT unnest(interaction_ids) AS i FROM memories)"
+        ),
+        "an interaction is in two memories"
+    );
+    assert_eq!(
+        linked,
+        sql_count(uri, "SELECT coalesce(sum(support), 0) AS n FROM memories"),
+        "support and interaction lists disagree"
+    );
+    assert_eq!(
+        sql_count(uri, "SELECT count(DISTINCT memory_id) AS n FROM memories"),
+        sql_count(uri, "SELECT count(*) AS n FROM memories")
+    );
+    if let Some(dangling) = try_sql_count(
+        uri,
+        "SELECT count(*) AS n FROM memory_links l LEFT JOIN memories m ON l.to_id = m.memory_id WHERE m.memory_id IS NULL",
+    ) {
+        assert_eq!(dangling, 0, "a link to a missing memory");
+    }
+    (rows, linked)
+}
+
+/// kill -9 twenty times at seeded random moments while events stream in
+/// (STEAM on: memories, links, communities, prototypes), then a clean run:
+/// every interaction written once, every observed interaction in exactly one
+/// memory, and the same memories as a run that was never killed.
+#[test]
+fn twenty_kill9s_lose_and_duplicate_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-kill");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let (records, observed) = stress_events(&topic, &file, 30, 40);
+    let extra = "[steam]\nenabled = true\n[kafka.properties]\n\"session.timeout.ms\" = \"2000\"\n\"heartbeat.interval.ms\" = \"400\"\n";
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 40,
+        linger_ms: 20,
+    };
+    let config = cfg.write_with(extra);
+    let uri = cfg.lancedb_uri();
+    let total = (records - 24) as i64;
+    // ~90 s of stream: the kills land mid-stream, mid-batch, mid-STEAM.
+    let mut producer = produce(&topic, 1, &file, Some(14));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2026);
+    let mut mid_stream = 0;
+    let mut before = 0;
+    for round in 0..20 {
+        let mut p = Pipeline::start(&config, None);
+        let started = std::time::Instant::now();
+        // Until this incarnation has written something (a restart first
+        // waits out the killed member's session), then a random moment up
+        // to 0.8 s later.
+        while started.elapsed() < Duration::from_secs(10) {
+            let rows = try_sql_count(&uri, "SELECT count(*) AS n FROM interactions").unwrap_or(0);
+            if rows > before || rows == total {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(rng.random_range(0..800)));
+        p.kill9();
+        let (rows, linked) = assert_consistent(&uri);
+        eprintln!("kill {round}: {rows} of {total} interactions, {linked} in memories");
+        if rows > before && rows < total {
+            mid_stream += 1;
+        }
+        before = rows;
+    }
+    assert!(producer.wait().unwrap().success());
+    assert!(
+        mid_stream >= 15,
+        "only {mid_stream} kills landed mid-stream"
+    );
+    let mut p = Pipeline::start(&config, Some("4s"));
+    assert!(
+        p.wait(Duration::from_secs(180)).success(),
+        "{}",
+        p.log_text()
+    );
+    let (rows, linked) = assert_consistent(&uri);
+    assert_eq!(rows, total);
+    assert_eq!(
+        linked, observed as i64,
+        "every click and user turn in one memory"
+    );
+
+    // The same events through one uninterrupted run.
+    let clean = tempfile::tempdir().unwrap();
+    let group = format!("{topic}-clean");
+    let reference = PipelineConfig {
+        dir: clean.path(),
+        topic: &topic,
+        group: &group,
+        dlq: &dlq,
+        max_rows: 40,
+        linger_ms: 20,
+    };
+    reference.run_to_idle(extra);
+    let memories = "SELECT user_id, count(*) AS memories, sum(support) AS support FROM memories GROUP BY user_id ORDER BY user_id";
+    assert_eq!(
+        sql_text(&uri, memories),
+        sql_text(&reference.lancedb_uri(), memories),
+        "memories per user differ from an uninterrupted run"
+    );
+}
