@@ -30,6 +30,9 @@ echo "test: build took $(( $(date +%s) - t0 ))s (target dir $CARGO_TARGET_DIR)"
 t0=$(date +%s)
 scripts/helm-check.sh "$CARGO_TARGET_DIR/debug/steamrf"
 echo "test: helm chart checks took $(( $(date +%s) - t0 ))s"
+t0=$(date +%s)
+scripts/fuzz.sh
+echo "test: fuzzing took $(( $(date +%s) - t0 ))s"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --no-fail-fast
 else

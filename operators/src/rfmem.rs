@@ -472,22 +472,10 @@ pub struct Answer {
 /// # Errors
 /// [`Error::Invalid`] naming `query_vector`.
 pub fn check_query(query: &[f32], dim: usize) -> Result<(), Error> {
-    if query.len() != dim {
-        return Err(invalid(
-            "query_vector",
-            format!("has {} values, expected {dim}", query.len()),
-        ));
-    }
-    if let Some(i) = query.iter().position(|v| !v.is_finite()) {
-        return Err(invalid(
-            "query_vector",
-            format!("value {i} is not finite (NaN and infinities are rejected)"),
-        ));
-    }
-    if query.iter().all(|v| *v == 0.0) {
-        return Err(invalid("query_vector", "is all zeros"));
-    }
-    Ok(())
+    steamrf_schemas::api::check_query_vector(query, dim).map_err(|e| Error::Invalid {
+        field: "query_vector",
+        reason: e.message,
+    })
 }
 
 /// RF-Mem retrieval of `query` (any length > 0; normalised here) over `store`.

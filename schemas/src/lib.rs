@@ -4,10 +4,12 @@
 //! Kafka payload into an [`Event`] or a [`DecodeError`] that names the field
 //! and the reason; it never panics. [`tables`] holds the Arrow schemas of the
 //! LanceDB tables and of every event type, and [`TableBuilders`] appends
-//! decoded events into Arrow `RecordBatch`es for those tables.
+//! decoded events into Arrow `RecordBatch`es for those tables. [`api`] parses
+//! the retrieval service's request bodies the same way.
 
 #![deny(missing_docs)]
 
+pub mod api;
 mod error;
 mod event;
 pub mod memory;
@@ -15,7 +17,7 @@ pub mod tables;
 
 pub use error::{DecodeError, DecodeErrorKind};
 pub use event::{
-    Event, EventType, Interaction, InteractionKind, ItemEvent, MAX_ID_BYTES, MAX_TIMESTAMP_MS,
-    MIN_TIMESTAMP_MS, ProfileEvent, Role, SCHEMA_VERSION, decode,
+    Event, EventType, ForgetEvent, Interaction, InteractionKind, ItemEvent, MAX_ID_BYTES,
+    MAX_TIMESTAMP_MS, MIN_TIMESTAMP_MS, ProfileEvent, Role, SCHEMA_VERSION, decode,
 };
 pub use tables::{Provenance, TableBatches, TableBuilders, TableName};

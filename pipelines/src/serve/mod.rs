@@ -28,12 +28,16 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use steamrf_operators::embed::Embedder;
 use steamrf_operators::rfmem::{self, RfMemParams};
 use steamrf_operators::steam::relations::tenant_of;
 use steamrf_operators::steam::retrieve::RecommendParams;
 use steamrf_operators::steam::{MemoryId, SteamParams};
+use steamrf_schemas::api::{self, FieldError};
+pub use steamrf_schemas::api::{
+    MAX_CANDIDATES, MAX_QUERY_BYTES, RecommendRequest, RetrieveRequest,
+};
 use tokio::net::TcpListener;
 
 use self::auth::{Auth, Scope};
@@ -44,11 +48,6 @@ use crate::error::{Error, Result};
 
 /// The checked-in OpenAPI document, served at `/openapi.json`.
 pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
-
-/// Most candidates per `/v1/recommend`.
-pub const MAX_CANDIDATES: usize = 1000;
-/// Longest text query, in bytes.
-pub const MAX_QUERY_BYTES: usize = 16 * 1024;
 
 /// Shared by every request.
 pub struct AppState {
@@ -158,28 +157,9 @@ fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
     }
 }
 
-/// Parses a JSON body; errors name the field (`options.alpha`).
-fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let message = e.into_inner().to_string();
-        let field = if path == "." || path == "?" {
-            root_field(&message).unwrap_or_else(|| "body".to_owned())
-        } else {
-            path
-        };
-        ApiError::invalid(field, message)
-    })
-}
-
-/// The field an error at the document's root names: serde reports unknown
-/// and missing fields there, with the name in backticks.
-fn root_field(message: &str) -> Option<String> {
-    if message.starts_with("unknown field") || message.starts_with("missing field") {
-        message.split('`').nth(1).map(str::to_owned)
-    } else {
-        None
+impl From<FieldError> for ApiError {
+    fn from(e: FieldError) -> Self {
+        Self::invalid(e.field, e.message)
     }
 }
 
@@ -209,36 +189,6 @@ fn authorize(st: &AppState, scope: &Scope, user_id: &str) -> Result<(), ApiError
             message: format!("this token may not read tenant {tenant:?}"),
         })
     }
-}
-
-fn check_user(user_id: &str) -> Result<(), ApiError> {
-    if user_id.is_empty() || user_id.len() > 256 {
-        return Err(ApiError::invalid("user_id", "must be 1 to 256 bytes"));
-    }
-    Ok(())
-}
-
-/// `POST /v1/retrieve`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RetrieveRequest {
-    /// Whose memory.
-    pub user_id: String,
-    /// A text query (embedded by the service).
-    #[serde(default)]
-    pub query: Option<String>,
-    /// Or a query embedding.
-    #[serde(default)]
-    pub query_vector: Option<Vec<f32>>,
-    /// Rows to return (overrides `options.k`).
-    #[serde(default)]
-    pub k: Option<usize>,
-    /// RF-Mem overrides, by name (`mode`, `alpha`, `tau`, …).
-    #[serde(default)]
-    pub options: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Include the local-to-global step (default: `serve.collaborative`).
-    #[serde(default)]
-    pub collaborative: Option<bool>,
 }
 
 /// Where a result came from.
@@ -362,7 +312,9 @@ fn params_for(cfg: &ServeConfig, req: &RetrieveRequest) -> Result<RfMemParams, A
             let inner = e.inner().to_string();
             // Unknown keys surface as a root error naming the key.
             let field = match e.path().to_string().as_str() {
-                "." => root_field(&inner).map_or("options".to_owned(), |k| format!("options.{k}")),
+                "." => {
+                    api::root_field(&inner).map_or("options".to_owned(), |k| format!("options.{k}"))
+                }
                 path => format!("options.{path}"),
             };
             ApiError::invalid(field, inner)
@@ -389,31 +341,14 @@ async fn query_vector(
     st: &AppState,
     req: &mut RetrieveRequest,
 ) -> Result<(Vec<f32>, Duration), ApiError> {
+    // RetrieveRequest::check has vetted the shape: one of the two, valid.
     match (req.query.take(), req.query_vector.take()) {
-        (Some(_), Some(_)) => Err(ApiError::invalid(
-            "query",
-            "send either query or query_vector, not both",
-        )),
+        (_, Some(v)) => Ok((v, Duration::ZERO)),
         (None, None) => Err(ApiError::invalid(
             "query",
             "query or query_vector is required",
         )),
-        (None, Some(v)) => {
-            rfmem::check_query(&v, steamrf_schemas::tables::EMBEDDING_DIM).map_err(
-                |e| match e {
-                    rfmem::Error::Invalid { field, reason } => ApiError::invalid(field, reason),
-                    other => ApiError::internal(other.to_string()),
-                },
-            )?;
-            Ok((v, Duration::ZERO))
-        }
         (Some(text), None) => {
-            if text.trim().is_empty() || text.len() > MAX_QUERY_BYTES {
-                return Err(ApiError::invalid(
-                    "query",
-                    format!("must be 1 to {MAX_QUERY_BYTES} bytes of text"),
-                ));
-            }
             let Some(e) = &st.embedder else {
                 return Err(ApiError::invalid(
                     "query",
@@ -450,8 +385,8 @@ async fn retrieve_inner(
     started: Instant,
 ) -> Result<RetrieveResponse, ApiError> {
     let scope = authenticate(st, headers)?;
-    let mut req: RetrieveRequest = parse(body)?;
-    check_user(&req.user_id)?;
+    let mut req: RetrieveRequest = api::parse(body)?;
+    req.check(steamrf_schemas::tables::EMBEDDING_DIM)?;
     authorize(st, &scope, &req.user_id)?;
     let p = params_for(&st.cfg, &req)?;
     let (q, embed_time) = query_vector(st, &mut req).await?;
@@ -599,19 +534,6 @@ fn local_to_global(st: &AppState, snap: &Snapshot, user_id: &str, q: &[f32]) -> 
     out
 }
 
-/// `POST /v1/recommend`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RecommendRequest {
-    /// For whom.
-    pub user_id: String,
-    /// Item ids to rank.
-    pub candidates: Vec<String>,
-    /// Return only the best k (default: all).
-    #[serde(default)]
-    pub k: Option<usize>,
-}
-
 /// One ranked candidate.
 #[derive(Debug, Serialize)]
 pub struct RankedItem {
@@ -661,24 +583,9 @@ fn recommend_inner(
     body: &[u8],
 ) -> Result<RecommendResponse, ApiError> {
     let scope = authenticate(st, headers)?;
-    let req: RecommendRequest = parse(body)?;
-    check_user(&req.user_id)?;
+    let req: RecommendRequest = api::parse(body)?;
+    req.check()?;
     authorize(st, &scope, &req.user_id)?;
-    if req.candidates.is_empty() || req.candidates.len() > MAX_CANDIDATES {
-        return Err(ApiError::invalid(
-            "candidates",
-            format!("must hold 1 to {MAX_CANDIDATES} item ids"),
-        ));
-    }
-    if let Some(i) = req.candidates.iter().position(|c| c.is_empty()) {
-        return Err(ApiError::invalid(
-            format!("candidates[{i}]"),
-            "must not be empty",
-        ));
-    }
-    if req.k == Some(0) {
-        return Err(ApiError::invalid("k", "must be > 0"));
-    }
     let snap = st.snapshot();
     let mut known = Vec::new();
     let mut unknown = Vec::new();
