@@ -51,6 +51,11 @@ pub struct IngestBench {
     pub config: Config,
     /// LanceDB location; a temp dir when `None`.
     pub lancedb_uri: Option<String>,
+    /// Make the sink the bottleneck: 1,000-row batches, each an idempotent
+    /// merge without the key index (a scan of the whole key column), so the
+    /// source runs into backpressure; reports the process's peak RSS while
+    /// it drains the backlog.
+    pub slow_sink: bool,
 }
 
 /// One ~200-byte click event.
@@ -195,6 +200,10 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         source,
     })?;
     let mut config = b.config;
+    if b.slow_sink {
+        config.lancedb.reindex_rows = 0;
+        config.batch.max_rows = config.batch.max_rows.min(1000);
+    }
     config.kafka.brokers = b.brokers.clone();
     config.kafka.topics = vec![topic.clone()];
     config.kafka.group_id = format!("{topic}-steamrf");
@@ -205,6 +214,9 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let metrics = Metrics::new(&config.kafka.topics);
     let stop = Arc::new(AtomicBool::new(false));
     let policy = config.batch.policy();
+    let rss_before = rss_bytes("VmRSS:");
+    let mut rss_peak = rss_before;
+    let mut sampled = Instant::now();
     let started = Instant::now();
     let task = tokio::spawn(pipeline::run(
         config.clone(),
@@ -221,6 +233,10 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         }
         if first.is_none() && received.get() > 0 {
             first = Some(Instant::now());
+        }
+        if sampled.elapsed() >= Duration::from_millis(50) {
+            rss_peak = rss_peak.max(rss_bytes("VmRSS:"));
+            sampled = Instant::now();
         }
         if metrics.records_committed.get() >= n {
             break;
@@ -293,11 +309,21 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         kcat.wall,
         steamrf.wall / kcat.wall
     ));
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     out.push(format!(
-        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3}",
+        "  memory while draining the {n}-event backlog: RSS {:.0} MiB before the pipeline started, peak {:.0} MiB (sampled every 50 ms); source blocked on a full queue {:.1} s",
+        mib(rss_before),
+        mib(rss_peak),
+        metrics.backpressure.get()
+    ));
+    out.push(format!(
+        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} rss_before_mib={:.0} backpressure_s={:.1}",
         steamrf.steady,
         kcat.steady,
-        steamrf.steady / kcat.steady
+        steamrf.steady / kcat.steady,
+        mib(rss_peak),
+        mib(rss_before),
+        metrics.backpressure.get()
     ));
     Ok(out)
 }
@@ -799,11 +825,16 @@ pub struct CommunitiesBench {
 }
 
 fn peak_rss_bytes() -> u64 {
+    rss_bytes("VmHWM:")
+}
+
+/// A memory line of /proc/self/status (`VmRSS:`, `VmHWM:`), in bytes.
+fn rss_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })

@@ -242,6 +242,9 @@ enum BenchCmd {
         /// Base configuration for batching (topic, group and table location are fresh).
         #[arg(short, long)]
         config: Option<PathBuf>,
+        /// Make LanceDB the bottleneck (1,000-row batches, no key index) and report peak RSS under the backlog.
+        #[arg(long)]
+        slow_sink: bool,
     },
 }
 
@@ -497,6 +500,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     brokers,
                     kcat,
                     config,
+                    slow_sink,
                 },
         } => {
             let config = Config::load(config.as_deref())?;
@@ -507,6 +511,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 kcat,
                 config,
                 lancedb_uri: None,
+                slow_sink,
             })
             .await
             .context("bench ingest")?;

@@ -551,6 +551,51 @@ mod tests {
         }
     }
 
+    /// Two writers (separate connections, as two processes) commit to the
+    /// same table at once, with overlapping keys (a replay racing a live
+    /// write): every key once, none lost. Failed commits are retried, as the
+    /// pipeline's writer does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_writers_on_one_table_write_each_key_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let a = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let b = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let run = |s: LanceSink, from: usize| async move {
+            let mut retries = 0;
+            for chunk in (from..from + 1200).collect::<Vec<_>>().chunks(25) {
+                let ids: Vec<String> = chunk.iter().map(|i| click(&format!("e{i}"))).collect();
+                let batch = batches(&ids).interactions.unwrap();
+                let mut attempt = 0;
+                while let Err(e) = s.write(TableName::Interactions, &batch).await {
+                    attempt += 1;
+                    retries += 1;
+                    assert!(attempt < 5, "a write keeps failing: {e:#}");
+                }
+            }
+            retries
+        };
+        // Keys 0..1200 and 600..1800: 600 written by both, concurrently.
+        let (ra, rb) = tokio::join!(tokio::spawn(run(a.clone(), 0)), tokio::spawn(run(b, 600)));
+        let retries = ra.unwrap() + rb.unwrap();
+        let t = a.table(TableName::Interactions);
+        t.checkout_latest().await.unwrap();
+        assert_eq!(t.count_rows(None).await.unwrap(), 1800, "{retries} retries");
+        let out = crate::sql::query(
+            &cfg,
+            "SELECT count(DISTINCT event_id) AS n FROM interactions",
+        )
+        .await
+        .unwrap();
+        use arrow_array::cast::AsArray;
+        let distinct = out[0]
+            .column(0)
+            .as_primitive::<arrow_array::types::Int64Type>()
+            .value(0);
+        assert_eq!(distinct, 1800);
+        eprintln!("two writers: {retries} commits retried");
+    }
+
     #[tokio::test]
     async fn items_upsert_newest_wins_and_replays_converge() {
         let (_dir, s) = sink().await;

@@ -168,6 +168,7 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
         String::from_utf8_lossy(&out.stderr)
     );
     let receipt: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("receipt: {receipt}");
     assert_eq!(receipt["user_id"], "user0");
     assert_eq!(receipt["interactions"], 4, "{receipt}");
     assert_eq!(receipt["profiles"], 1, "{receipt}");
@@ -447,4 +448,102 @@ fn twenty_kill9s_lose_and_duplicate_nothing() {
         sql_text(&reference.lancedb_uri(), memories),
         "memories per user differ from an uninterrupted run"
     );
+}
+
+/// The embedding endpoint fails (503, 429): a short outage is ridden out by
+/// retries with backoff; a long one stops the pipeline before anything of
+/// the batch is committed, and a restart after the endpoint is back writes
+/// every row once, every text embedded.
+#[test]
+fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-outage");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let exp = generate(&file, 600, 0, 5, &topic);
+    produce_all(&topic, 2, &file);
+    let server = FlakyEmbeddings::start(5);
+    let remote = |group: &str| {
+        let cfg = PipelineConfig {
+            dir: dir.path(),
+            topic: &topic,
+            group,
+            dlq: &dlq,
+            max_rows: 200,
+            linger_ms: 50,
+        };
+        let path = cfg.write();
+        let text = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("[embed]\n", "[embed]\nengine = \"remote\"\n")
+            + &format!(
+                "[embed.remote]\nurl = \"{}\"\nmax_attempts = 2\ntimeout = \"2s\"\n",
+                server.url
+            );
+        // Each group its own LanceDB directory.
+        let text = text.replace(
+            &format!("uri = \"{}\"", cfg.lancedb_uri()),
+            &format!("uri = \"{}-{group}\"", cfg.lancedb_uri()),
+        );
+        std::fs::write(&path, text).unwrap();
+        (path, format!("{}-{group}", cfg.lancedb_uri()))
+    };
+    let embedded = |uri: &str| {
+        (
+            sql_count(uri, "SELECT count(*) AS n FROM interactions"),
+            sql_count(
+                uri,
+                "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn' AND embedding IS NOT NULL",
+            ),
+            sql_count(
+                uri,
+                "SELECT count(*) AS n FROM items WHERE embedding IS NOT NULL",
+            ),
+        )
+    };
+    let want = (
+        exp.interactions as i64,
+        exp.dialogue as i64,
+        exp.items as i64,
+    );
+
+    // 1. Five failed requests: retried (by the client, then the batch), no restart.
+    let (config, uri) = remote(&format!("{topic}-short"));
+    let mut p = Pipeline::start(&config, Some("3s"));
+    assert!(
+        p.wait(Duration::from_secs(120)).success(),
+        "{}",
+        p.log_text()
+    );
+    assert_eq!(embedded(&uri), want);
+    assert_eq!(server.fail.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert!(server.requests.load(std::sync::atomic::Ordering::SeqCst) > 5);
+
+    // 2. A long outage: the pipeline gives up on the batch and exits with an
+    // error, nothing of it written or committed; back up, a restart does it all.
+    server
+        .fail
+        .store(usize::MAX, std::sync::atomic::Ordering::SeqCst);
+    let (config, uri) = remote(&format!("{topic}-long"));
+    let mut p = Pipeline::start(&config, None);
+    let status = p.wait(Duration::from_secs(120));
+    assert!(!status.success(), "{}", p.log_text());
+    assert!(
+        p.log_text().contains("Embedding failed; retrying."),
+        "{}",
+        p.log_text()
+    );
+    assert_eq!(
+        try_sql_count(&uri, "SELECT count(*) AS n FROM interactions").unwrap_or(0),
+        0,
+        "nothing written while the endpoint is down"
+    );
+    server.fail.store(0, std::sync::atomic::Ordering::SeqCst);
+    let mut p = Pipeline::start(&config, Some("3s"));
+    assert!(
+        p.wait(Duration::from_secs(120)).success(),
+        "{}",
+        p.log_text()
+    );
+    assert_eq!(embedded(&uri), want);
 }

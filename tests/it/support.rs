@@ -634,3 +634,100 @@ impl Drop for Service {
 fn manifest_dir() -> String {
     std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned())
 }
+
+/// A local OpenAI-compatible `/v1/embeddings` server (no embedding service
+/// is reachable from here) that can be made to fail: the first `fail`
+/// requests get 503 or 429 alternately (`usize::MAX`: every request).
+/// Vectors are deterministic per text.
+pub struct FlakyEmbeddings {
+    pub url: String,
+    pub fail: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl FlakyEmbeddings {
+    pub fn start(fail: usize) -> Self {
+        use std::io::{BufRead, BufReader, Read, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let fail = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(fail));
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (f, r) = (fail.clone(), requests.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let (fail, requests) = (f.clone(), r.clone());
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut len = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0u8; len];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let n = requests.fetch_add(1, Ordering::SeqCst);
+                    let failing = fail
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| match f {
+                            0 => None,
+                            usize::MAX => Some(usize::MAX),
+                            f => Some(f - 1),
+                        })
+                        .is_ok();
+                    let (status, out) = if failing {
+                        let s = if n % 2 == 0 {
+                            "503 Service Unavailable"
+                        } else {
+                            "429 Too Many Requests"
+                        };
+                        (s, r#"{"error":{"message":"try again"}}"#.to_owned())
+                    } else {
+                        let req: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                        let inputs = req["input"].as_array().cloned().unwrap_or_default();
+                        let data: Vec<serde_json::Value> = inputs
+                            .iter()
+                            .enumerate()
+                            .map(|(i, t)| {
+                                let h = t.as_str().unwrap_or("").bytes().fold(7u64, |h, b| {
+                                    h.wrapping_mul(31).wrapping_add(u64::from(b))
+                                });
+                                let v: Vec<f32> = (0..384)
+                                    .map(|d| {
+                                        ((h.wrapping_add(d * 7919) % 1000) as f32) / 1000.0 - 0.5
+                                    })
+                                    .collect();
+                                let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+                                let v: Vec<f32> = v.iter().map(|x| x / norm).collect();
+                                serde_json::json!({"index": i, "embedding": v})
+                            })
+                            .collect();
+                        let out = serde_json::json!({"data": data, "usage": {"prompt_tokens": inputs.len() * 8}});
+                        ("200 OK", out.to_string())
+                    };
+                    write!(
+                        stream,
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{out}",
+                        out.len()
+                    )
+                    .ok();
+                });
+            }
+        });
+        Self {
+            url,
+            fail,
+            requests,
+        }
+    }
+}

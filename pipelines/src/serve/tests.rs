@@ -384,6 +384,79 @@ async fn tokens_are_scoped_to_tenants() {
     );
 }
 
+/// Attempts to cross the tenant boundary: other tenants' users under any
+/// spelling, users without a tenant, a token in the wrong place; and what an
+/// allowed answer reveals about another tenant with the same taste (nothing).
+#[tokio::test]
+async fn the_tenant_boundary_cannot_be_crossed() {
+    let auth = Auth::parse("acme-reader-0123456789 acme\n").unwrap();
+    let (base, _) = start(auth, true).await;
+    let token = Some("acme-reader-0123456789");
+    let q = unit(&[(0, 1.0), (1, 0.12)]);
+    for user in [
+        "globex:dan",
+        "GLOBEX:dan",
+        "Acme:ann",
+        " acme:ann",
+        "globex",
+        "dan",
+        "globex:acme:ann",
+    ] {
+        let body = json!({"user_id": user, "query_vector": qv(&q)}).to_string();
+        let (status, v) = post(&base, "/v1/retrieve", token, &body).await;
+        assert_eq!(status, 403, "{user:?}: {v}");
+        assert_eq!(v["error"]["field"], "user_id");
+        let rec = json!({"user_id": user, "candidates": ["dave", "secret-album"]}).to_string();
+        assert_eq!(
+            post(&base, "/v1/recommend", token, &rec).await.0,
+            403,
+            "{user:?}"
+        );
+    }
+    // The token must be a bearer token in the header, exactly.
+    for header in [
+        "acme-reader-0123456789",
+        "Bearer acme-reader-012345678",
+        "Basic acme-reader-0123456789",
+    ] {
+        let resp = reqwest::Client::new()
+            .post(format!("{base}/v1/retrieve"))
+            .header("authorization", header)
+            .body(json!({"user_id": "acme:ann", "query": "jazz"}).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 401, "{header:?}");
+    }
+    // Allowed: acme's own user, with the local-to-global step. globex has
+    // the same taste and its own published community: none of it shows.
+    for mode in ["familiarity", "recollection"] {
+        let body = json!({"user_id": "acme:ann", "query_vector": qv(&q), "k": 10,
+            "options": {"mode": mode}, "collaborative": true})
+        .to_string();
+        let (status, v) = post(&base, "/v1/retrieve", token, &body).await;
+        assert_eq!(status, 200, "{v}");
+        let text = v.to_string();
+        // globex's users, items and event ids.
+        for leak in ["globex", "secret-album", "\"d1\"", "\"e1\"", "\"f1\""] {
+            assert!(!text.contains(leak), "{leak} leaked: {text}");
+        }
+        // Other acme users appear only as ids: never a user id or their text.
+        for other in ["acme:ben", "acme:cat"] {
+            assert!(!text.contains(other), "{other} leaked: {text}");
+        }
+    }
+    let rec =
+        json!({"user_id": "acme:ann", "candidates": ["dave", "secret-album", "far"]}).to_string();
+    let (status, v) = post(&base, "/v1/recommend", token, &rec).await;
+    assert_eq!(status, 200, "{v}");
+    let text = v.to_string();
+    assert!(
+        !text.contains("globex") && !text.contains("\"d1\""),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn recommend_ranks_with_reasons_and_unknown_items_last() {
     let (base, _) = start(Auth::open(), true).await;
