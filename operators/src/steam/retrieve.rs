@@ -21,7 +21,7 @@
 //! β and γ are configuration (`RecommendParams`); β = γ = 0 is the paper's
 //! "w/o CC" ablation.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::memory::dot;
 use super::{MemoryId, SteamState};
@@ -154,37 +154,43 @@ impl SteamState {
         candidates: &[(String, Vec<f32>)],
         p: &RecommendParams,
     ) -> Vec<Ranked> {
-        let mut out: Vec<(usize, Ranked)> = candidates
-            .iter()
-            .enumerate()
-            .map(|(i, (item, e))| {
-                let r = self.retrieve(user_id, e, p);
-                let local = r.local.first().map_or(0.0, |h| h.score);
-                let collab = r.collaborative.first().map_or(0.0, |h| h.score);
-                let seen = if r.collaborative.is_empty() {
-                    0.0
-                } else {
-                    let n = r
-                        .collaborative
-                        .iter()
-                        .filter(|h| {
-                            self.memory(h.memory_id)
-                                .is_some_and(|m| m.items.iter().any(|x| x == item))
-                        })
-                        .count();
-                    n as f32 / r.collaborative.len() as f32
-                };
-                let ranked = Ranked {
-                    item_id: item.clone(),
-                    score: local + p.collab_weight * collab + p.seen_weight * seen,
-                    local,
-                    collab,
-                    seen,
-                    memory_id: r.local.first().map(|h| h.memory_id),
-                };
-                (i, ranked)
-            })
-            .collect();
+        // Item sets of the collaborative memories met so far: a memory of a
+        // long history holds hundreds of items, and every candidate asks.
+        let mut items_of: HashMap<MemoryId, HashSet<&str>> = HashMap::new();
+        let mut out: Vec<(usize, Ranked)> = Vec::with_capacity(candidates.len());
+        for (i, (item, e)) in candidates.iter().enumerate() {
+            let r = self.retrieve(user_id, e, p);
+            let local = r.local.first().map_or(0.0, |h| h.score);
+            let collab = r.collaborative.first().map_or(0.0, |h| h.score);
+            let seen = if r.collaborative.is_empty() {
+                0.0
+            } else {
+                let n = r
+                    .collaborative
+                    .iter()
+                    .filter(|h| {
+                        items_of
+                            .entry(h.memory_id)
+                            .or_insert_with(|| {
+                                self.memory(h.memory_id).map_or_else(HashSet::new, |m| {
+                                    m.items.iter().map(String::as_str).collect()
+                                })
+                            })
+                            .contains(item.as_str())
+                    })
+                    .count();
+                n as f32 / r.collaborative.len() as f32
+            };
+            let ranked = Ranked {
+                item_id: item.clone(),
+                score: local + p.collab_weight * collab + p.seen_weight * seen,
+                local,
+                collab,
+                seen,
+                memory_id: r.local.first().map(|h| h.memory_id),
+            };
+            out.push((i, ranked));
+        }
         out.sort_by(|a, b| b.1.score.total_cmp(&a.1.score).then(a.0.cmp(&b.0)));
         out.into_iter().map(|(_, r)| r).collect()
     }

@@ -123,11 +123,13 @@ fn ndcg_at(rank: usize, k: usize) -> f64 {
 /// ties keep the shuffled order).
 pub(super) type Ranker<'a> = Box<dyn Fn(&User, &[String]) -> Vec<f64> + 'a>;
 
-/// BM25 (k1 = 1.2, b = 0.75) of each candidate's text against the history's texts.
+/// BM25 (k1 = 1.2, b = 0.75) of each candidate's text against the history's
+/// texts. A query term counts once per occurrence in the query.
 pub(super) struct Bm25 {
-    docs: HashMap<String, Vec<String>>,
-    df: HashMap<String, usize>,
-    n: usize,
+    /// Per document: its distinct terms with their counts, and its length.
+    docs: HashMap<String, (Vec<(String, u32)>, usize)>,
+    /// Inverse document frequency per term.
+    idf: HashMap<String, f64>,
     avg: f64,
 }
 
@@ -140,34 +142,49 @@ pub(super) fn tokens(s: &str) -> Vec<String> {
 
 impl Bm25 {
     pub(super) fn new(texts: &HashMap<String, String>) -> Self {
-        let docs: HashMap<String, Vec<String>> =
-            texts.iter().map(|(k, v)| (k.clone(), tokens(v))).collect();
-        let mut df = HashMap::new();
-        for d in docs.values() {
-            for t in d.iter().collect::<HashSet<_>>() {
-                *df.entry(t.clone()).or_insert(0) += 1;
+        let mut df: HashMap<String, usize> = HashMap::new();
+        let mut docs = HashMap::with_capacity(texts.len());
+        for (k, v) in texts {
+            let t = tokens(v);
+            let len = t.len();
+            let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+            for w in t {
+                *counts.entry(w).or_insert(0) += 1;
             }
+            for w in counts.keys() {
+                *df.entry(w.clone()).or_insert(0) += 1;
+            }
+            docs.insert(k.clone(), (counts.into_iter().collect(), len));
         }
-        let n = docs.len().max(1);
-        let avg = docs.values().map(Vec::len).sum::<usize>() as f64 / n as f64;
-        Self { docs, df, n, avg }
+        let n = docs.len().max(1) as f64;
+        let avg = docs.values().map(|d| d.1).sum::<usize>() as f64 / n;
+        let idf = df
+            .into_iter()
+            .map(|(w, d)| (w, ((n - d as f64 + 0.5) / (d as f64 + 0.5) + 1.0).ln()))
+            .collect();
+        Self { docs, idf, avg }
     }
 
-    pub(super) fn score(&self, query: &[String], doc: &str) -> f64 {
-        let Some(d) = self.docs.get(doc) else {
+    /// A query's term counts, built once for many documents.
+    pub(super) fn query(terms: &[String]) -> HashMap<&str, f64> {
+        let mut q = HashMap::new();
+        for t in terms {
+            *q.entry(t.as_str()).or_insert(0.0) += 1.0;
+        }
+        q
+    }
+
+    pub(super) fn score(&self, query: &HashMap<&str, f64>, doc: &str) -> f64 {
+        let Some((terms, len)) = self.docs.get(doc) else {
             return 0.0;
         };
-        let len = d.len() as f64;
-        query
+        let norm = 1.2 * (0.25 + 0.75 * *len as f64 / self.avg);
+        terms
             .iter()
-            .map(|q| {
-                let tf = d.iter().filter(|t| *t == q).count() as f64;
-                if tf == 0.0 {
-                    return 0.0;
-                }
-                let df = *self.df.get(q).unwrap_or(&0) as f64;
-                let idf = ((self.n as f64 - df + 0.5) / (df + 0.5) + 1.0).ln();
-                idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len / self.avg))
+            .filter_map(|(w, tf)| {
+                let times = query.get(w.as_str())?;
+                let tf = f64::from(*tf);
+                Some(times * self.idf[w] * tf * 2.2 / (tf + norm))
             })
             .sum()
     }
@@ -503,11 +520,12 @@ pub(super) fn rankers<'a>(
         (
             "BM25 (item text)",
             Box::new(|u: &User, c: &[String]| {
-                let q: Vec<String> = u
+                let terms: Vec<String> = u
                     .history
                     .iter()
                     .flat_map(|h| tokens(texts.get(h).map_or("", String::as_str)))
                     .collect();
+                let q = Bm25::query(&terms);
                 c.iter().map(|i| bm25.score(&q, i)).collect()
             }),
         ),
@@ -854,7 +872,8 @@ mod tests {
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
         let b = Bm25::new(&texts);
-        let q = tokens("Giant Steps jazz");
+        let terms = tokens("Giant Steps jazz");
+        let q = Bm25::query(&terms);
         assert!(b.score(&q, "a") > b.score(&q, "b"));
         assert!(b.score(&q, "c") > b.score(&q, "b"));
         assert_eq!(b.score(&q, "missing"), 0.0);
