@@ -166,8 +166,9 @@ fn direct_body(dst: &mut [f32], lhs: &[f32], block: &[f32], rows: usize, dim: us
 
 /// A dot product in 32 independent lanes (the compiler keeps them in two
 /// vector registers; lane-wise sums need no reassociation to vectorise).
+/// Lengths must match; extra values of the longer slice are ignored.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 32];
     let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
     let (ra, rb) = (ca.remainder(), cb.remainder());

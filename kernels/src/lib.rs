@@ -50,6 +50,7 @@ mod topk;
 use std::cmp::Ordering;
 use std::fmt;
 
+pub use cpu::dot;
 pub use topk::TopK;
 
 /// Errors of the kernels.

@@ -128,7 +128,7 @@ pub fn memory_id(user_id: &str, event_id: &str) -> MemoryId {
 }
 
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    steamrf_kernels::dot(a, b)
 }
 
 pub(crate) fn normalized(mut v: Vec<f32>) -> Vec<f32> {

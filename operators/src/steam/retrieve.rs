@@ -104,7 +104,9 @@ impl SteamState {
         if local.is_empty() {
             local = user.top_k(query, 1, f32::NEG_INFINITY);
         }
-        let mut collab: BTreeMap<MemoryId, Hit> = BTreeMap::new();
+        // (score, prototype) per reached memory; owners are filled in for
+        // the k_collab kept only (this runs once per recommend candidate).
+        let mut collab: BTreeMap<MemoryId, (f32, MemoryId)> = BTreeMap::new();
         for &(i, score) in &local {
             let m = &user.memories[i];
             out.local.push(Hit {
@@ -126,23 +128,25 @@ impl SteamState {
                 if om.user_id == user_id {
                     continue;
                 }
-                let s = dot(query, &om.embedding);
-                collab.entry(other).or_insert(Hit {
-                    memory_id: other,
-                    user_id: om.user_id.clone(),
-                    score: s,
-                    via_prototype: Some(proto.id),
-                });
+                collab
+                    .entry(other)
+                    .or_insert_with(|| (dot(query, &om.embedding), proto.id));
             }
         }
-        let mut collab: Vec<Hit> = collab.into_values().collect();
-        collab.sort_by(|a, b| {
-            b.score
-                .total_cmp(&a.score)
-                .then(a.memory_id.cmp(&b.memory_id))
-        });
+        let mut collab: Vec<(MemoryId, (f32, MemoryId))> = collab.into_iter().collect();
+        collab.sort_by(|a, b| b.1.0.total_cmp(&a.1.0).then(a.0.cmp(&b.0)));
         collab.truncate(p.k_collab);
-        out.collaborative = collab;
+        out.collaborative = collab
+            .into_iter()
+            .map(|(memory_id, (score, proto))| Hit {
+                memory_id,
+                user_id: self
+                    .memory(memory_id)
+                    .map_or_else(String::new, |m| m.user_id.clone()),
+                score,
+                via_prototype: Some(proto),
+            })
+            .collect();
         out
     }
 
