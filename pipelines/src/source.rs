@@ -502,8 +502,22 @@ impl SourceLoop {
         self.metrics.batch_records.observe(records as f64);
         self.metrics.batch_bytes.observe(bytes as f64);
         self.metrics.queue_depth.inc();
-        tx.blocking_send(batch).map_err(|_| Error::Internal {
+        let stopped = || Error::Internal {
             message: "the writer stopped before the source".into(),
-        })
+        };
+        match tx.try_send(batch) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(batch)) => {
+                // The queue is full: the sink is slower than the source, and
+                // waiting here is the backpressure (Kafka keeps the rest).
+                let blocked = Instant::now();
+                let sent = tx.blocking_send(batch);
+                self.metrics
+                    .backpressure
+                    .inc_by(blocked.elapsed().as_secs_f64());
+                sent.map_err(|_| stopped())
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(stopped()),
+        }
     }
 }
