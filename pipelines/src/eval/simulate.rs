@@ -270,6 +270,32 @@ fn summarise(per_seed: &[Vec<(&'static str, Vec<f64>)>], header: &str) -> (Strin
     (table, series)
 }
 
+/// The report of a task, up to (not including) its `RESULT` line.
+fn report(
+    task: &str,
+    e: &SteamEval,
+    (embedded, took): (usize, f64),
+    table: &str,
+    (file, png): (
+        &std::path::Path,
+        &std::result::Result<std::path::PathBuf, String>,
+    ),
+    started: Instant,
+) -> Vec<String> {
+    let mut out = vec![format!(
+        "eval steam --task {task}: {} ({embedded} items embedded in {took:.1} s), seeds {:?}",
+        e.subset, e.seeds
+    )];
+    out.extend(table.lines().map(|l| format!("  {l}")));
+    out.push(format!(
+        "  table in {}; {}; took {:.0} s",
+        file.display(),
+        plot::said(png),
+        started.elapsed().as_secs_f64()
+    ));
+    out
+}
+
 /// `steamrf eval steam --task simulation`.
 pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
     let started = Instant::now();
@@ -327,19 +353,14 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
         &["P 1:1", "F1 1:1", "P 1:3", "F1 1:3", "P 1:9", "F1 1:9"],
         &series,
     )?;
-    let mut out = vec![format!(
-        "eval steam --task simulation: {} ({} items embedded in {took:.1} s), seeds {:?}",
-        e.subset,
-        items.len(),
-        e.seeds
-    )];
-    out.extend(table.lines().map(|l| format!("  {l}")));
-    out.push(format!(
-        "  table in {}; {}; took {:.0} s",
-        file.display(),
-        plot::said(&png),
-        started.elapsed().as_secs_f64()
-    ));
+    let mut out = report(
+        "simulation",
+        &e,
+        (items.len(), took),
+        &table,
+        (&file, &png),
+        started,
+    );
     let m = series.first().map_or(vec![0.0; 6], |s| s.values.clone());
     out.push(format!(
         "RESULT precision_1_1={:.4} f1_1_1={:.4} precision_1_3={:.4} f1_1_3={:.4} precision_1_9={:.4} f1_1_9={:.4}",
@@ -536,19 +557,14 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
         &["ILD", "Entropy", "DS", "HR@10"],
         &series,
     )?;
-    let mut out = vec![format!(
-        "eval steam --task diversity: {} ({} items embedded in {took:.1} s), seeds {:?}",
-        e.subset,
-        items.len(),
-        e.seeds
-    )];
-    out.extend(table.lines().map(|l| format!("  {l}")));
-    out.push(format!(
-        "  table in {}; {}; took {:.0} s",
-        file.display(),
-        plot::said(&png),
-        started.elapsed().as_secs_f64()
-    ));
+    let mut out = report(
+        "diversity",
+        &e,
+        (items.len(), took),
+        &table,
+        (&file, &png),
+        started,
+    );
     let m = series.first().map_or(vec![0.0; 4], |s| s.values.clone());
     out.push(format!(
         "RESULT ild={:.4} entropy={:.4} ds={:.4} hr10={:.4}",
