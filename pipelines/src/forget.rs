@@ -71,6 +71,25 @@ pub struct TableCleanup {
 /// # Errors
 /// LanceDB failures.
 pub async fn purge(table: &Table) -> Result<TableCleanup> {
+    let mut attempt = 0;
+    loop {
+        match purge_once(table).await {
+            // A compaction can lose a commit race with another writer of the
+            // table; compaction and pruning are idempotent, so run them again.
+            Err(e) if e.retryable() && attempt + 1 < PURGE_ATTEMPTS => {
+                tracing::warn!(table = table.name(), attempt, error = %e, "Clean-up failed; retrying.");
+                tokio::time::sleep(crate::error::backoff(attempt)).await;
+                attempt += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Attempts of [`purge`] on retryable errors.
+const PURGE_ATTEMPTS: u32 = 6;
+
+async fn purge_once(table: &Table) -> Result<TableCleanup> {
     let name = table.name().to_owned();
     // A handle reads the version it opened; clean the newest.
     table

@@ -542,28 +542,18 @@ impl SteamStage {
             .forget_user(self.kernel.as_ref(), user_id)
             .map_err(kernel_err)?;
         let mut out = SteamForget::default();
-        if !self.writer {
-            let filter = format!("user_id = {}", crate::forget::quoted(user_id));
-            out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
-        }
+        let filter = format!("user_id = {}", crate::forget::quoted(user_id));
         if self.publish.is_some() {
+            out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
             out.note = Some(
                 "steam.communities = \"topic\": links and prototypes are kept by `steamrf communities`; run `steamrf forget` with the steamrf processes stopped to remove them too".into(),
             );
             return Ok(out);
         }
-        if !gone.is_empty() {
-            let list = gone
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(",");
-            out.links = crate::forget::delete_counted(
-                &self.links,
-                &format!("from_id IN ({list}) OR to_id IN ({list})"),
-            )
-            .await?;
-        }
+        // Order matters for a crash halfway: the rebuilt prototypes and the
+        // re-linked memories first, then the links, the memories last. Until
+        // the memories are gone a restart restores the user and the forget
+        // runs again in full; after that only the clean-up is left.
         self.llm_contents(&[], &mut link).await;
         let mut relinked: Vec<MemoryId> = link
             .links
@@ -577,6 +567,21 @@ impl SteamStage {
         out.prototypes_rebuilt = link.prototypes.len() as u64;
         out.prototypes_withdrawn = link.prototypes_removed.len() as u64;
         self.persist_with_retries(&relinked, &link).await?;
+        if !gone.is_empty() {
+            let list = gone
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            out.links = crate::forget::delete_counted(
+                &self.links,
+                &format!("from_id IN ({list}) OR to_id IN ({list})"),
+            )
+            .await?;
+        }
+        if !self.writer {
+            out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
+        }
         tracing::debug!(
             user_id,
             memories = gone.len(),
