@@ -824,10 +824,6 @@ pub struct CommunitiesBench {
     pub dim: usize,
 }
 
-fn peak_rss_bytes() -> u64 {
-    rss_bytes("VmHWM:")
-}
-
 /// A memory line of /proc/self/status (`VmRSS:`, `VmHWM:`), in bytes.
 fn rss_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -1065,7 +1061,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     ));
     out.push(format!(
         "peak memory (VmHWM): {:.2} GiB",
-        peak_rss_bytes() as f64 / (1u64 << 30) as f64
+        rss_bytes("VmHWM:") as f64 / (1u64 << 30) as f64
     ));
     out.push(format!(
         "RESULT incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1}",

@@ -136,6 +136,33 @@ impl From<datafusion::error::DataFusionError> for Error {
     }
 }
 
+/// Runs `op` until it succeeds, fails with a non-retryable error, or has
+/// been tried `attempts` times, sleeping [`backoff`] between tries; every
+/// retried error goes to `on_retry` (metrics) and the log, as `what` failed.
+pub(crate) async fn retry<T, Fut>(
+    attempts: u32,
+    what: &str,
+    on_retry: impl Fn(&Error),
+    mut op: impl FnMut() -> Fut,
+) -> Result<T>
+where
+    Fut: Future<Output = Result<T>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Err(e) if e.retryable() && attempt + 1 < attempts => {
+                on_retry(&e);
+                let wait = backoff(attempt);
+                tracing::warn!(attempt, error = %e, ?wait, "{what} failed; retrying.");
+                tokio::time::sleep(wait).await;
+                attempt += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Exponential backoff for retryable errors: 100 ms doubling to 10 s.
 pub(crate) fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(100u64.saturating_mul(1 << attempt.min(7))).min(Duration::from_secs(10))

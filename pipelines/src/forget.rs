@@ -71,19 +71,9 @@ pub struct TableCleanup {
 /// # Errors
 /// LanceDB failures.
 pub async fn purge(table: &Table) -> Result<TableCleanup> {
-    let mut attempt = 0;
-    loop {
-        match purge_once(table).await {
-            // A compaction can lose a commit race with another writer of the
-            // table; compaction and pruning are idempotent, so run them again.
-            Err(e) if e.retryable() && attempt + 1 < PURGE_ATTEMPTS => {
-                tracing::warn!(table = table.name(), attempt, error = %e, "Clean-up failed; retrying.");
-                tokio::time::sleep(crate::error::backoff(attempt)).await;
-                attempt += 1;
-            }
-            r => return r,
-        }
-    }
+    // A compaction can lose a commit race with another writer of the table;
+    // compaction and pruning are idempotent, so they are simply run again.
+    crate::error::retry(PURGE_ATTEMPTS, "Clean-up", |_| {}, || purge_once(table)).await
 }
 
 /// Attempts of [`purge`] on retryable errors.
@@ -212,18 +202,10 @@ pub async fn forget(
 /// # Errors
 /// Configuration, LanceDB or kernel failures.
 pub async fn run(config: &crate::Config, user_id: &str) -> Result<Receipt> {
-    if let Err(e) = steamrf_schemas::decode(
-        serde_json::json!({
-            "type": "forget", "schema_version": 1, "event_id": "cli",
-            "timestamp": 0, "user_id": user_id,
-        })
-        .to_string()
-        .as_bytes(),
-    ) {
-        return Err(Error::Config {
-            problems: vec![format!("USER: {e}")],
-        });
-    }
+    // The same rules as a forget event's user_id.
+    steamrf_schemas::api::check_user(user_id).map_err(|e| Error::Config {
+        problems: vec![format!("USER: {}", e.message)],
+    })?;
     let metrics = crate::Metrics::new(&config.kafka.topics);
     let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
     let db = crate::sink::connect(&config.lancedb).await?;

@@ -594,20 +594,13 @@ impl SteamStage {
     /// [`Self::persist`], retried as a whole on retryable errors (every write
     /// in it is idempotent).
     async fn persist_with_retries(&self, changed: &[MemoryId], link: &LinkOutcome) -> Result<()> {
-        let mut attempt = 0;
-        loop {
-            match self.persist(changed, link).await {
-                Ok(()) => return Ok(()),
-                Err(e) if e.retryable() && attempt + 1 < PERSIST_ATTEMPTS => {
-                    self.metrics.error("steam", &e);
-                    let wait = crate::error::backoff(attempt);
-                    tracing::warn!(attempt, error = %e, ?wait, "Writing the STEAM tables failed; retrying.");
-                    tokio::time::sleep(wait).await;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        crate::error::retry(
+            PERSIST_ATTEMPTS,
+            "Writing the STEAM tables",
+            |e| self.metrics.error("steam", e),
+            || self.persist(changed, link),
+        )
+        .await
     }
 
     fn record(&self, stats: &SteamStats, link: &LinkOutcome, started: Instant) {

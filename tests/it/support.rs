@@ -538,6 +538,29 @@ pub fn read_dead_letters_from(
 
 /// A minimal OpenAI-compatible chat endpoint on 127.0.0.1 (no LLM can be
 /// reached from here): every completion is `reply`; prompts are recorded.
+/// The body of one HTTP/1.1 request (by its Content-Length); `None` if the
+/// client hung up first.
+fn read_body(stream: &TcpStream) -> Option<Vec<u8>> {
+    use std::io::{BufRead, BufReader, Read};
+    let mut reader = BufReader::new(stream.try_clone().ok()?);
+    let mut len = 0usize;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return None;
+        }
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap_or(0);
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0u8; len];
+    reader.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
 pub struct FakeChat {
     pub url: String,
     pub prompts: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
@@ -545,7 +568,7 @@ pub struct FakeChat {
 
 impl FakeChat {
     pub fn start(reply: &'static str) -> Self {
-        use std::io::{BufRead, BufReader, Read, Write};
+        use std::io::Write;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let prompts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -555,23 +578,9 @@ impl FakeChat {
                 let Ok(mut stream) = stream else { continue };
                 let seen = seen.clone();
                 std::thread::spawn(move || {
-                    let mut reader = BufReader::new(stream.try_clone().unwrap());
-                    let mut len = 0usize;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        let l = line.to_ascii_lowercase();
-                        if let Some(v) = l.strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0u8; len];
-                    reader.read_exact(&mut body).unwrap();
+                    let Some(body) = read_body(&stream) else {
+                        return;
+                    };
                     let req: serde_json::Value = serde_json::from_slice(&body).unwrap();
                     seen.lock().unwrap().push(
                         req["messages"][0]["content"]
@@ -683,7 +692,7 @@ pub struct FlakyEmbeddings {
 
 impl FlakyEmbeddings {
     pub fn start(fail: usize) -> Self {
-        use std::io::{BufRead, BufReader, Read, Write};
+        use std::io::Write;
         use std::sync::atomic::Ordering;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -695,24 +704,9 @@ impl FlakyEmbeddings {
                 let Ok(mut stream) = stream else { continue };
                 let (fail, requests) = (f.clone(), r.clone());
                 std::thread::spawn(move || {
-                    let mut reader = BufReader::new(stream.try_clone().unwrap());
-                    let mut len = 0usize;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0u8; len];
-                    if reader.read_exact(&mut body).is_err() {
+                    let Some(body) = read_body(&stream) else {
                         return;
-                    }
+                    };
                     let n = requests.fetch_add(1, Ordering::SeqCst);
                     let failing = fail
                         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| match f {

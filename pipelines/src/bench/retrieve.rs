@@ -31,7 +31,7 @@ use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
-use super::{Synth, peak_rss_bytes};
+use super::{Synth, rss_bytes};
 use crate::error::{Error, Result};
 
 /// Options of `steamrf bench retrieve`.
@@ -231,7 +231,7 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     }
     out.push(format!(
         "  peak RSS {:.2} GiB",
-        peak_rss_bytes() as f64 / (1u64 << 30) as f64
+        rss_bytes("VmHWM:") as f64 / (1u64 << 30) as f64
     ));
     let served = if n >= b.ivf_min_rows { "ivf" } else { "exact" };
     let get = |path: &str| {
