@@ -16,6 +16,11 @@
 //! in the same group gets no partition and waits as a standby, taking over
 //! on a rebalance. Ingest never waits for it; its lag is the consumer lag of
 //! the `<group_id>-communities` group.
+//!
+//! A `forget` event handled by an ingest instance reaches this process as a
+//! [`Tombstone`] on the same topic, after every change of the user that
+//! instance published: the batch ends there, and the writer deletes the
+//! user's links, re-links and rebuilds prototypes before committing it.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -32,7 +37,7 @@ use crate::config::{CommunitiesMode, Config};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::source::{self, KafkaConsumer};
-use crate::steam::{SteamStage, decode_changes};
+use crate::steam::{Change, SteamStage, Tombstone, decode_change};
 
 /// What one run did.
 #[derive(Debug, Clone, Copy, Default)]
@@ -43,16 +48,21 @@ pub struct WriterSummary {
     pub memories: u64,
     /// Records that did not decode (logged and skipped).
     pub malformed: u64,
+    /// Tombstones applied (users forgotten).
+    pub forgets: u64,
 }
 
 struct Collected {
     memories: Vec<Memory>,
+    /// A tombstone ends a batch: it is applied after the memories before it.
+    forget: Option<Tombstone>,
     offsets: BTreeMap<(String, i32), i64>,
     records: u64,
     malformed: u64,
 }
 
-/// Polls until `max` memories, `linger` after the first record, or `stop`.
+/// Polls until `max` memories, `linger` after the first record, a
+/// tombstone, or `stop`.
 fn collect(
     consumer: &KafkaConsumer,
     max: usize,
@@ -62,12 +72,13 @@ fn collect(
 ) -> Collected {
     let mut c = Collected {
         memories: Vec::new(),
+        forget: None,
         offsets: BTreeMap::new(),
         records: 0,
         malformed: 0,
     };
     let mut deadline: Option<Instant> = None;
-    while !stop.load(Ordering::Relaxed) && c.memories.len() < max {
+    while !stop.load(Ordering::Relaxed) && c.memories.len() < max && c.forget.is_none() {
         let wait = match deadline {
             Some(d) if Instant::now() >= d => break,
             Some(d) => d - Instant::now(),
@@ -87,8 +98,9 @@ fn collect(
                     .records_received
                     .with_label_values(&[m.topic()])
                     .inc();
-                match decode_changes(payload) {
-                    Ok(ms) => c.memories.extend(ms),
+                match decode_change(payload) {
+                    Ok(Change::Memories(ms)) => c.memories.extend(ms),
+                    Ok(Change::Forget(t)) => c.forget = Some(t),
                     Err(e) => {
                         // Only steamrf writes this topic: a bad record is a bug
                         // or a foreign producer. Skipping it loses nothing the
@@ -188,6 +200,17 @@ async fn run_inner(
         let stats = stage.apply_changes(got.memories).await.inspect_err(|e| {
             metrics.error("steam", e);
         })?;
+        if let Some(t) = &got.forget {
+            let receipt = crate::forget::apply_tombstone(&mut stage, t)
+                .await
+                .inspect_err(|e| metrics.error("forget", e))?;
+            metrics.forgets.inc();
+            summary.forgets += 1;
+            tracing::info!(
+                receipt = %serde_json::to_string(&receipt).unwrap_or_default(),
+                "Forget done."
+            );
+        }
         let mut tpl = TopicPartitionList::new();
         for ((t, p), o) in &got.offsets {
             tpl.add_partition_offset(t, *p, Offset::Offset(*o))

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::sink::LanceSink;
-use crate::steam::SteamStage;
+use crate::steam::{SteamStage, Tombstone};
 
 /// What a forget removed.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
@@ -177,21 +177,59 @@ pub async fn forget(
         cleanups.push(purge(t).await?);
     }
     if let Some(stage) = steam {
-        let s = stage.forget(user_id).await?;
-        r.memories = s.memories;
-        r.links = s.links;
-        r.memories_relinked = s.relinked;
-        r.prototypes_rebuilt = s.prototypes_rebuilt;
-        r.prototypes_withdrawn = s.prototypes_withdrawn;
-        r.note = s.note;
-        for t in stage.tables() {
-            cleanups.push(purge(t).await?);
-        }
+        forget_memories(stage, &[], &mut r, &mut cleanups).await?;
     }
+    Ok(finish(r, cleanups, started))
+}
+
+/// The STEAM part of a forget, into `r`, and the clean-up of the stage's tables.
+async fn forget_memories(
+    stage: &mut SteamStage,
+    known: &[steamrf_operators::steam::MemoryId],
+    r: &mut Receipt,
+    cleanups: &mut Vec<TableCleanup>,
+) -> Result<()> {
+    let s = stage
+        .forget(&r.user_id, r.event_id.as_deref(), known)
+        .await?;
+    r.memories = s.memories;
+    r.links = s.links;
+    r.memories_relinked = s.relinked;
+    r.prototypes_rebuilt = s.prototypes_rebuilt;
+    r.prototypes_withdrawn = s.prototypes_withdrawn;
+    r.note = s.note;
+    for t in stage.tables() {
+        cleanups.push(purge(t).await?);
+    }
+    Ok(())
+}
+
+fn finish(mut r: Receipt, cleanups: Vec<TableCleanup>, started: Instant) -> Receipt {
     r.tables = cleanups;
     r.took_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     r.completed_at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-    Ok(r)
+    r
+}
+
+/// The community writer's part of a forget done on an ingest instance of
+/// the scaled-out write path: the links to and from the user's memories,
+/// the re-linking, the prototypes, and the clean-up of those tables. The
+/// receipt's `memories` counts the memory ids the tombstone named.
+///
+/// # Errors
+/// LanceDB or kernel failures; the tombstone is then not committed and is
+/// applied again.
+pub async fn apply_tombstone(stage: &mut SteamStage, t: &Tombstone) -> Result<Receipt> {
+    let started = Instant::now();
+    let mut r = Receipt {
+        user_id: t.forget_user.clone(),
+        event_id: t.event_id.clone(),
+        ..Receipt::default()
+    };
+    let mut cleanups = Vec::new();
+    forget_memories(stage, &t.memory_ids, &mut r, &mut cleanups).await?;
+    r.memories = t.memory_ids.len() as u64;
+    Ok(finish(r, cleanups, started))
 }
 
 /// `steamrf forget USER`: opens the tables (and, where memories exist, the

@@ -163,6 +163,74 @@ impl ChangePublisher {
     }
 }
 
+/// A user forgotten on an ingest instance, published to the changes topic
+/// for the community writer, which then deletes the links to and from the
+/// user's memories, re-links the memories that pointed at them and rebuilds
+/// or withdraws the prototypes they were part of.
+///
+/// Encoded as JSON (a changes record of memories is an Arrow IPC stream,
+/// which never starts with `{`). It carries the ids of the memories the
+/// ingest instance deletes, because the writer may restore its state after
+/// they are gone from the `memories` table.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tombstone {
+    /// The user forgotten.
+    pub forget_user: String,
+    /// The `forget` event's id, if any.
+    pub event_id: Option<String>,
+    /// The user's memories the ingest instance deleted.
+    pub memory_ids: Vec<MemoryId>,
+}
+
+/// One record of the changes topic.
+#[derive(Debug)]
+pub enum Change {
+    /// Memories formed or consolidated (rows of `memories`).
+    Memories(Vec<Memory>),
+    /// A user forgotten.
+    Forget(Tombstone),
+}
+
+/// A changes record: a [`Tombstone`] (JSON) or memories (Arrow IPC).
+///
+/// # Errors
+/// A payload that is neither.
+pub fn decode_change(bytes: &[u8]) -> Result<Change> {
+    if bytes.first() == Some(&b'{') {
+        let t = serde_json::from_slice(bytes).map_err(|e| Error::Internal {
+            message: format!("a changes record that is not a tombstone: {e}"),
+        })?;
+        return Ok(Change::Forget(t));
+    }
+    decode_changes(bytes).map(Change::Memories)
+}
+
+impl ChangePublisher {
+    /// Sends a tombstone and waits until the broker has it.
+    ///
+    /// # Errors
+    /// Delivery failures (retryable).
+    pub async fn publish_forget(&self, t: &Tombstone) -> Result<()> {
+        let bytes = serde_json::to_vec(t).map_err(|e| Error::Internal {
+            message: format!("encoding a tombstone: {e}"),
+        })?;
+        let record: rdkafka::producer::FutureRecord<'_, (), [u8]> =
+            rdkafka::producer::FutureRecord::to(&self.topic).payload(&bytes);
+        match self
+            .producer
+            .send_result(record)
+            .map_err(|(e, _)| Error::kafka("queueing a tombstone")(e))?
+            .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(Error::kafka("publishing a tombstone")(e)),
+            Err(_) => Err(Error::Internal {
+                message: "the changes producer was dropped".into(),
+            }),
+        }
+    }
+}
+
 /// Arrow IPC stream bytes of `batch`.
 ///
 /// # Errors
@@ -524,31 +592,85 @@ impl SteamStage {
         Ok(stats)
     }
 
-    /// The stage's tables: memories, memory_links, prototypes.
-    pub(crate) fn tables(&self) -> [&Table; 3] {
-        [&self.memories, &self.links, &self.prototypes]
+    /// The tables this stage writes: memories, memory_links, prototypes in
+    /// process; in the scaled-out write path an ingest instance writes only
+    /// memories and the community writer only links and prototypes.
+    pub(crate) fn tables(&self) -> Vec<&Table> {
+        if self.writer {
+            vec![&self.links, &self.prototypes]
+        } else if self.publish.is_some() {
+            vec![&self.memories]
+        } else {
+            vec![&self.memories, &self.links, &self.prototypes]
+        }
     }
 
     /// Deletes the user's memories and every link to or from them, and
     /// persists what that changed: the re-linked memories' links, rebuilt
-    /// and withdrawn prototypes (docs/reliability.md). On an ingest instance
-    /// of the scaled-out write path only the memories go (see the note).
+    /// and withdrawn prototypes (docs/reliability.md).
+    ///
+    /// On an ingest instance of the scaled-out write path the links and
+    /// prototypes belong to the community writer: this publishes a
+    /// [`Tombstone`] (before deleting the memories, so a crash in between
+    /// publishes it again) and the writer does the rest when it reads it,
+    /// calling this with the tombstone's `known` memory ids.
     ///
     /// # Errors
-    /// LanceDB or kernel failures.
-    pub async fn forget(&mut self, user_id: &str) -> Result<SteamForget> {
+    /// LanceDB, Kafka or kernel failures.
+    pub async fn forget(
+        &mut self,
+        user_id: &str,
+        event_id: Option<&str>,
+        known: &[MemoryId],
+    ) -> Result<SteamForget> {
         let (gone, mut link) = self
             .state
             .forget_user(self.kernel.as_ref(), user_id)
             .map_err(kernel_err)?;
         let mut out = SteamForget::default();
-        let filter = format!("user_id = {}", crate::forget::quoted(user_id));
-        if self.publish.is_some() {
+        let user = crate::forget::quoted(user_id);
+        let filter = format!("user_id = {user}");
+        if let Some(p) = &self.publish {
+            p.publish_forget(&Tombstone {
+                forget_user: user_id.to_owned(),
+                event_id: event_id.map(str::to_owned),
+                memory_ids: gone.clone(),
+            })
+            .await?;
             out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
             out.note = Some(
-                "steam.communities = \"topic\": links and prototypes are kept by `steamrf communities`; run `steamrf forget` with the steamrf processes stopped to remove them too".into(),
+                "steam.communities = \"topic\": the links and prototypes go when `steamrf communities` reads the tombstone published to the changes topic (it logs its own receipt)".into(),
             );
             return Ok(out);
+        }
+        let mut ids: Vec<MemoryId> = gone.iter().chain(known).copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        // Prototypes the table still lists a forgotten memory in although
+        // the state no longer does (a state restored after the memories were
+        // deleted elsewhere, whose communities may carry other ids): each is
+        // withdrawn unless its community still has one, and the current
+        // prototypes of its surviving members' communities are written.
+        for (id, members) in self.prototype_members().await? {
+            if !members.iter().any(|m| ids.binary_search(m).is_ok()) {
+                continue;
+            }
+            let mut now: Vec<MemoryId> = members
+                .iter()
+                .filter_map(|&m| self.state.communities().community_of(m))
+                .collect();
+            now.sort_unstable();
+            now.dedup();
+            if self.state.prototype(id).is_none() && !link.prototypes_removed.contains(&id) {
+                link.prototypes_removed.push(id);
+            }
+            for c in now.into_iter().chain([id]) {
+                if let Some(p) = self.state.prototype(c)
+                    && !link.prototypes.iter().any(|q| q.id == c)
+                {
+                    link.prototypes.push(p.clone());
+                }
+            }
         }
         // Order matters for a crash halfway: the rebuilt prototypes and the
         // re-linked memories first, then the links, the memories last. Until
@@ -567,27 +689,52 @@ impl SteamStage {
         out.prototypes_rebuilt = link.prototypes.len() as u64;
         out.prototypes_withdrawn = link.prototypes_removed.len() as u64;
         self.persist_with_retries(&relinked, &link).await?;
-        if !gone.is_empty() {
-            let list = gone
+        // Links by user as well as by id: the writer's state may not hold
+        // the memories any more, and links are written with both users.
+        let mut links = format!("from_user = {user} OR to_user = {user}");
+        if !ids.is_empty() {
+            let list = ids
                 .iter()
                 .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join(",");
-            out.links = crate::forget::delete_counted(
-                &self.links,
-                &format!("from_id IN ({list}) OR to_id IN ({list})"),
-            )
-            .await?;
+            links.push_str(&format!(" OR from_id IN ({list}) OR to_id IN ({list})"));
         }
+        out.links = crate::forget::delete_counted(&self.links, &links).await?;
         if !self.writer {
             out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
         }
         tracing::debug!(
             user_id,
-            memories = gone.len(),
+            memories = ids.len(),
             relinked = relinked.len(),
             "STEAM state forgot a user."
         );
+        Ok(out)
+    }
+
+    /// Every row of `prototypes`: its id and member memories.
+    async fn prototype_members(&self) -> Result<Vec<(MemoryId, Vec<MemoryId>)>> {
+        self.prototypes
+            .checkout_latest()
+            .await
+            .map_err(Error::lance("refreshing prototypes"))?;
+        let mut out = Vec::new();
+        for b in scan(&self.prototypes, &["prototype_id", "member_ids"]).await? {
+            let id = b.column(0).as_primitive::<Int64Type>();
+            let members = b.column(1).as_list::<i32>();
+            for r in 0..b.num_rows() {
+                let m = members.value(r);
+                out.push((
+                    id.value(r) as MemoryId,
+                    m.as_primitive::<Int64Type>()
+                        .values()
+                        .iter()
+                        .map(|&v| v as MemoryId)
+                        .collect(),
+                ));
+            }
+        }
         Ok(out)
     }
 
@@ -809,7 +956,6 @@ impl SteamStage {
     }
 }
 
-/// Deletes the rows whose `column` is one of `ids` (nothing when empty).
 /// The `memories` columns a [`Memory`] is read back from.
 const MEMORY_COLUMNS: &[&str] = &[
     "memory_id",
@@ -908,6 +1054,7 @@ pub async fn load_state(
     Ok(state)
 }
 
+/// Deletes the rows whose `column` is one of `ids` (nothing when empty).
 async fn delete_ids(table: &Table, column: &str, ids: &[MemoryId]) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
@@ -1105,11 +1252,30 @@ mod tests {
         while start < batch.num_rows() {
             let len = CHANGES_PER_RECORD.min(batch.num_rows() - start);
             let bytes = encode_changes(&batch.slice(start, len)).unwrap();
-            back.extend(decode_changes(&bytes).unwrap());
+            match decode_change(&bytes).unwrap() {
+                Change::Memories(m) => back.extend(m),
+                Change::Forget(t) => panic!("memories read as a tombstone: {t:?}"),
+            }
             start += len;
         }
         // Memories are normalised on the way into the state, not here.
         assert_eq!(back, mems);
         assert!(decode_changes(b"not arrow").is_err());
+        assert!(decode_change(b"not arrow").is_err());
+        assert!(decode_change(b"{\"not\":\"a tombstone\"}").is_err());
+    }
+
+    #[test]
+    fn tombstones_share_the_changes_topic_with_memories() {
+        let t = Tombstone {
+            forget_user: "acme:o'brien".into(),
+            event_id: Some("e-1".into()),
+            memory_ids: vec![1, u64::MAX],
+        };
+        let bytes = serde_json::to_vec(&t).unwrap();
+        match decode_change(&bytes).unwrap() {
+            Change::Forget(back) => assert_eq!(back, t),
+            Change::Memories(m) => panic!("a tombstone read as memories: {m:?}"),
+        }
     }
 }

@@ -259,6 +259,218 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
     }
 }
 
+/// How many lines of `p`'s log contain `needle`.
+fn log_count(p: &Pipeline, needle: &str) -> usize {
+    p.log_text().matches(needle).count()
+}
+
+/// Waits until `p`'s log has `n` lines containing `needle`.
+fn wait_log(p: &Pipeline, needle: &str, n: usize, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while log_count(p, needle) < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never logged {needle:?} {n} times:\n{}",
+            p.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The scaled-out write path (`steam.communities = "topic"`): an ingest
+/// instance handles the `forget` events and publishes tombstones, and the
+/// community writer removes the links and the user's share of prototypes,
+/// first with the writer running, then with the writer stopped during the
+/// forget (it restarts from tables that no longer hold the user's memories
+/// but still hold their links and prototypes). Afterwards the tables equal
+/// an in-process pipeline's over the same events, and the user's text is in
+/// no file of the tables.
+#[test]
+fn forgetting_in_the_scaled_out_write_path_reaches_the_community_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-forget-topic");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    let marker = "Wombatcustard";
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    // More space-opera fans: user5 likes exactly what user0 bought (so
+    // links to user0's memory) and must find another when it is forgotten.
+    for (n, user, item) in [
+        ("u4a", "user4", "space2"),
+        ("u4b", "user4", "space1"),
+        ("u5", "user5", "space0"),
+    ] {
+        text.push_str(&line(
+            &topic,
+            n,
+            &format!(r#""type":"click","user_id":"{user}","item_id":"{item}""#),
+        ));
+        text.push('\n');
+    }
+    text.push_str(&line(
+        &topic,
+        "secret",
+        &format!(r#""type":"dialogue_turn","user_id":"user3","session_id":"s9","role":"user","text":"My {marker} bebop jazz standards collection""#),
+    ));
+    text.push('\n');
+    std::fs::write(&file, &text).unwrap();
+    let forget = |user: &str| {
+        format!(
+            "{}\n",
+            line(
+                &topic,
+                &format!("forget-{user}"),
+                &format!(r#""type":"forget","user_id":"{user}""#)
+            )
+        )
+    };
+
+    // The reference: the same events and forgets, in process.
+    let base_dir = dir.path().join("base");
+    std::fs::create_dir(&base_dir).unwrap();
+    let base_topic = format!("{topic}-base");
+    let all = dir.path().join("all.jsonl");
+    std::fs::write(
+        &all,
+        format!("{text}{}{}", forget("user3"), forget("user0")),
+    )
+    .unwrap();
+    produce_all(&base_topic, 1, &all);
+    let base = PipelineConfig {
+        dir: &base_dir,
+        topic: &base_topic,
+        group: &format!("{topic}-base"),
+        dlq: &format!("{topic}-base-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    // One link per memory: forgetting a user's memory makes the memories
+    // that pointed at it find another (re-linking is visible).
+    let k1 = "k1 = 1\n";
+    base.run_to_idle(&format!("[steam]\nenabled = true\n{k1}"));
+    let base_uri = base.lancedb_uri();
+
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let config = cfg.write_with(&format!("{}{k1}", crate::scaled_out_steam(&topic)));
+    let uri = cfg.lancedb_uri();
+    let lancedb = Path::new(&uri);
+    let mut writer = Pipeline::start_command("communities", &config, None);
+    let mut ingest = Pipeline::start(&config, None);
+    produce_all(&topic, 1, &file);
+    // The jazz prototype counts four users once the writer caught up.
+    wait_count(
+        &uri,
+        "SELECT max(users) AS n FROM prototypes",
+        4,
+        Duration::from_secs(90),
+    );
+    assert!(!bytes_on_disk(lancedb, marker).is_empty());
+    let links_of = |user: &str| {
+        format!(
+            "SELECT count(*) AS n FROM memory_links WHERE from_user = '{user}' OR to_user = '{user}'"
+        )
+    };
+    assert!(sql_count(&uri, &links_of("user3")) > 0);
+
+    // 1. The writer is running.
+    let f1 = dir.path().join("forget1.jsonl");
+    std::fs::write(&f1, forget("user3")).unwrap();
+    produce_all(&topic, 1, &f1);
+    wait_log(&ingest, "Forget done.", 1, Duration::from_secs(60));
+    wait_log(&writer, "Forget done.", 1, Duration::from_secs(60));
+    let log = ingest.log_text();
+    assert!(
+        log.contains("tombstone"),
+        "the receipt says who does the rest: {log}"
+    );
+    let wlog = writer.log_text();
+    assert!(wlog.contains(r#""user_id":"user3""#), "{wlog}");
+    assert_eq!(sql_count(&uri, &links_of("user3")), 0, "{wlog}");
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memories WHERE user_id = 'user3'"
+        ),
+        0
+    );
+    let hits = bytes_on_disk(lancedb, marker);
+    assert!(
+        hits.is_empty(),
+        "the forgotten text is still on disk: {hits:?}"
+    );
+    assert_eq!(sql_count(&uri, "SELECT max(users) AS n FROM prototypes"), 3);
+
+    // 2. The writer is down while the ingest instance forgets user0.
+    assert!(writer.sigterm().success(), "{}", writer.log_text());
+    let f2 = dir.path().join("forget2.jsonl");
+    std::fs::write(&f2, forget("user0")).unwrap();
+    produce_all(&topic, 1, &f2);
+    wait_log(&ingest, "Forget done.", 2, Duration::from_secs(60));
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memories WHERE user_id = 'user0'"
+        ),
+        0
+    );
+    // What the restarted writer has to remove: links to memories that are
+    // gone, and a prototype built with them.
+    assert!(sql_count(&uri, &links_of("user0")) > 0);
+    assert!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM prototypes WHERE content LIKE '%Jazz%'"
+        ) > 0
+    );
+    let links = "SELECT from_user, to_user FROM memory_links ORDER BY from_user, to_user";
+    let deleted_only = sql_text(
+        &uri,
+        "SELECT from_user, to_user FROM memory_links WHERE from_user <> 'user0' AND to_user <> 'user0' ORDER BY from_user, to_user",
+    );
+    let mut writer = Pipeline::start_command("communities", &config, None);
+    wait_log(&writer, "Forget done.", 1, Duration::from_secs(60));
+    assert_eq!(
+        sql_count(&uri, &links_of("user0")),
+        0,
+        "{}",
+        writer.log_text()
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memory_links l LEFT JOIN memories m ON l.to_id = m.memory_id WHERE m.memory_id IS NULL"
+        ),
+        0
+    );
+    let hits = bytes_on_disk(lancedb, "jazz piano");
+    assert!(
+        hits.is_empty(),
+        "user0's profile is still on disk: {hits:?}"
+    );
+    // The same memories and prototypes as the in-process reference (the
+    // jazz community is down to two users: its prototype is withdrawn).
+    for q in [
+        "SELECT user_id, version, support, content FROM memories ORDER BY memory_id",
+        "SELECT users, content FROM prototypes ORDER BY content",
+        links,
+    ] {
+        assert_eq!(sql_text(&uri, q), sql_text(&base_uri, q), "{q}");
+    }
+    // The check can fail: memories that pointed at user0's were re-linked,
+    // which deleting the rows alone would not do.
+    assert_ne!(sql_text(&uri, links), deleted_only);
+    for p in [&mut ingest, &mut writer] {
+        assert!(p.sigterm().success(), "{}", p.log_text());
+    }
+}
+
 /// Items in four genres, then clicks and one user turn per user, in one
 /// partition (an item always precedes the clicks on it). Returns how many
 /// interactions the STEAM stage observes (clicks and user turns).

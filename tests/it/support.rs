@@ -461,15 +461,16 @@ pub fn sql_count(uri: &str, sql: &str) -> i64 {
     try_sql_count(uri, sql).unwrap_or_else(|| panic!("steamrf sql {sql:?} failed on {uri}"))
 }
 
-/// Waits until `sql` over the tables returns `want`.
+/// Waits until `sql` over the tables returns `want` (a failing query or a
+/// NULL, as before the tables exist, is waited out too).
 pub fn wait_count(uri: &str, sql: &str, want: i64, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        let got = sql_count(uri, sql);
-        if got == want {
+        let got = try_sql_count(uri, sql);
+        if got == Some(want) {
             return;
         }
-        assert!(Instant::now() < deadline, "{sql}: {got}, want {want}");
+        assert!(Instant::now() < deadline, "{sql}: {got:?}, want {want}");
         std::thread::sleep(Duration::from_millis(500));
     }
 }

@@ -344,10 +344,11 @@ impl SteamState {
         kernel: &dyn SimilarityKernel,
         user_id: &str,
     ) -> Result<(Vec<MemoryId>, LinkOutcome), steamrf_kernels::Error> {
-        let Some(user) = self.users.remove(user_id) else {
-            return Ok((Vec::new(), LinkOutcome::default()));
-        };
-        let gone: BTreeSet<MemoryId> = user.memories.iter().map(|m| m.id).collect();
+        let gone: BTreeSet<MemoryId> = self
+            .users
+            .remove(user_id)
+            .map(|u| u.memories.iter().map(|m| m.id).collect())
+            .unwrap_or_default();
         let batch = GraphBatch {
             remove_nodes: gone.iter().copied().collect(),
             ..GraphBatch::default()
@@ -357,14 +358,25 @@ impl SteamState {
             self.index.remove(*id);
             self.out_links.remove(id);
         }
-        // Other memories that linked to the forgotten ones lose those links.
+        // Other memories that linked to the forgotten ones lose those links,
+        // and so do links to memories that no longer exist at all (a state
+        // restored after the user's memories were deleted elsewhere, as in
+        // the scaled-out write path, still has them).
         let mut affected = Vec::new();
+        let owner = &self.owner;
+        let before = self.out_links.len();
+        self.out_links.retain(|from, _| owner.contains_key(from));
+        let mut dangling = self.out_links.len() != before;
         for (from, links) in self.out_links.iter_mut() {
             let before = links.len();
-            links.retain(|l| !gone.contains(&l.to));
-            if links.len() != before {
+            links.retain(|l| !gone.contains(&l.to) && owner.contains_key(&l.to));
+            if links.len() != before && owner.contains_key(from) {
                 affected.push(*from);
             }
+        }
+        dangling |= !affected.is_empty();
+        if gone.is_empty() && !dangling {
+            return Ok((Vec::new(), LinkOutcome::default()));
         }
         affected.sort_unstable();
         let delta = self.communities.apply(&batch);
@@ -462,7 +474,7 @@ impl SteamState {
             .out_links
             .values()
             .flatten()
-            .filter(|l| self.owner.contains_key(&l.to))
+            .filter(|l| self.owner.contains_key(&l.from) && self.owner.contains_key(&l.to))
             .map(|l| (l.from, l.to))
             .collect();
         self.communities = Communities::from_graph(self.owner.keys().copied(), edges);

@@ -248,6 +248,66 @@ fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
     );
 }
 
+/// The scaled-out write path: the community writer may restore its state
+/// after an ingest instance already deleted a user's memories, so the links
+/// to them are restored but their targets are not. Forgetting the user then
+/// still re-links the memories that pointed at them, and ends where a state
+/// that held the user ends.
+#[test]
+fn forgetting_a_user_whose_memories_are_already_gone_drops_the_dangling_links() {
+    let params = SteamParams {
+        k1: 1,
+        ..SteamParams::default()
+    };
+    let mut full = SteamState::new(params, 3);
+    let o = full
+        .observe(vec![
+            ("ann".into(), obs("a", 1, [1.0, 0.0, 0.0], "A", "x")),
+            ("bob".into(), obs("b", 2, [0.75, 0.66, 0.0], "B", "x")),
+            ("cat".into(), obs("c", 3, [0.28, 0.96, 0.0], "C", "x")),
+            ("dan".into(), obs("d", 4, [0.0, 1.0, 0.05], "D", "x")),
+        ])
+        .unwrap();
+    let linked = full.link(&CpuKernel::default(), &o.changed).unwrap();
+    let bob = full.user("bob").unwrap().memories[0].id;
+    assert!(linked.links.iter().any(|l| l.to == bob));
+    // Restored from tables that no longer hold bob's memory, but still his links.
+    let mut restored = SteamState::new(params, 3);
+    for u in ["ann", "cat", "dan"] {
+        for m in &full.user(u).unwrap().memories {
+            restored.restore_memory(m.clone()).unwrap();
+        }
+    }
+    let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
+    for l in &linked.links {
+        by_from.entry(l.from).or_default().push(*l);
+    }
+    for (from, links) in by_from {
+        restored.restore_links(from, links);
+    }
+    restored.rebuild();
+    let (gone, out) = restored.forget_user(&CpuKernel::default(), "bob").unwrap();
+    assert!(gone.is_empty(), "nothing of bob's was left to delete");
+    assert!(out.links.iter().all(|l| l.to != bob && l.from != bob));
+    let (_, want) = full.forget_user(&CpuKernel::default(), "bob").unwrap();
+    // The same memories were re-linked, to the same links.
+    let pairs = |o: &LinkOutcome| {
+        let mut v: Vec<(MemoryId, MemoryId)> = o.links.iter().map(|l| (l.from, l.to)).collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(pairs(&out), pairs(&want));
+    assert_eq!(
+        restored.communities().partition(),
+        full.communities().partition()
+    );
+    assert_eq!(restored.prototypes().count(), full.prototypes().count());
+    // Once clean, another forget finds nothing.
+    let (gone, out) = restored.forget_user(&CpuKernel::default(), "bob").unwrap();
+    assert!(gone.is_empty());
+    assert_eq!(out, LinkOutcome::default());
+}
+
 #[test]
 fn profile_memories_are_never_linked_across_users() {
     let mut s = SteamState::new(SteamParams::default(), 3);
