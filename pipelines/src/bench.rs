@@ -53,9 +53,15 @@ pub struct IngestBench {
     pub lancedb_uri: Option<String>,
     /// Make the sink the bottleneck: 1,000-row batches, each an idempotent
     /// merge without the key index (a scan of the whole key column), so the
-    /// source runs into backpressure; reports the process's peak RSS while
-    /// it drains the backlog.
+    /// source runs into backpressure.
     pub slow_sink: bool,
+    /// The `steamrf` binary that produces the events (`bench produce`) in a
+    /// process of its own.
+    pub producer: PathBuf,
+    /// Distinct events among them (the rest are exact repeats, which the
+    /// idempotent write skips): a backlog of `events` over a table that
+    /// never exceeds `distinct` rows. `events` when 0.
+    pub distinct: u64,
 }
 
 /// One ~200-byte click event.
@@ -71,7 +77,74 @@ pub fn bench_event(i: u64) -> (String, String) {
     (user, payload)
 }
 
-fn produce(brokers: &str, topic: &str, n: u64) -> Result<(f64, usize)> {
+/// `steamrf bench produce`: creates `topic` (if needed) and produces `n`
+/// bench events to it; the last line is the `RESULT` line.
+///
+/// # Errors
+/// Broker failures.
+pub async fn produce_events(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    n: u64,
+    distinct: u64,
+) -> Result<Vec<String>> {
+    crate::source::ensure_topic(brokers, &Default::default(), topic, partitions).await?;
+    let (b, t) = (brokers.to_owned(), topic.to_owned());
+    let (rate, avg) = tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct))
+        .await
+        .map_err(|e| Error::Internal {
+            message: e.to_string(),
+        })??;
+    Ok(vec![
+        format!("produced {n} click events of {avg} bytes on average into {topic} at {rate:.0}/s"),
+        format!("RESULT events={n} events_per_s={rate:.0} avg_bytes={avg}"),
+    ])
+}
+
+/// Runs `producer bench produce …` and reads its `RESULT` line.
+fn produce_in_child(
+    producer: &std::path::Path,
+    brokers: &str,
+    topic: &str,
+    n: u64,
+    distinct: u64,
+) -> Result<(f64, usize)> {
+    let out = Command::new(producer)
+        .args(["bench", "produce", "--brokers", brokers, "--topic", topic])
+        .args([
+            "--events",
+            &n.to_string(),
+            "--distinct",
+            &distinct.to_string(),
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|source| Error::Io {
+            context: format!("running {} bench produce", producer.display()),
+            source,
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let result = text.lines().find(|l| l.starts_with("RESULT "));
+    let field = |k: &str| {
+        result.and_then(|l| {
+            l.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(k)?.strip_prefix('='))
+        })
+    };
+    match (
+        out.status.success(),
+        field("events_per_s").and_then(|v| v.parse().ok()),
+        field("avg_bytes").and_then(|v| v.parse().ok()),
+    ) {
+        (true, Some(rate), Some(avg)) => Ok((rate, avg)),
+        _ => Err(Error::Internal {
+            message: format!("bench produce failed ({}): {text}", out.status),
+        }),
+    }
+}
+
+fn produce(brokers: &str, topic: &str, n: u64, distinct: u64) -> Result<(f64, usize)> {
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("linger.ms", "20")
@@ -83,7 +156,8 @@ fn produce(brokers: &str, topic: &str, n: u64) -> Result<(f64, usize)> {
     let started = Instant::now();
     let mut bytes = 0;
     for i in 0..n {
-        let (key, payload) = bench_event(i);
+        // Event i repeats event i mod distinct exactly (a redelivery).
+        let (key, payload) = bench_event(i % distinct.max(1));
         bytes += payload.len();
         let mut record = BaseRecord::to(topic).key(&key).payload(&payload);
         loop {
@@ -176,12 +250,22 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let stamp = chrono::Utc::now().format("%Y%m%d%H%M%S%3f");
     let topic = format!("steamrf-bench-{stamp}");
     crate::source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions).await?;
-    let (brokers, t, n) = (b.brokers.clone(), topic.clone(), b.events);
-    let (produce_rate, avg_bytes) = tokio::task::spawn_blocking(move || produce(&brokers, &t, n))
-        .await
-        .map_err(|e| Error::Internal {
-            message: e.to_string(),
-        })??;
+    let n = b.events;
+    // In a child process (`steamrf bench produce`), so that the producer's
+    // buffers (the whole backlog, until delivered) are not counted in this
+    // process's memory below.
+    let distinct = if b.distinct == 0 {
+        n
+    } else {
+        b.distinct.min(n)
+    };
+    let (exe, brokers, t) = (b.producer.clone(), b.brokers.clone(), topic.clone());
+    let (produce_rate, avg_bytes) =
+        tokio::task::spawn_blocking(move || produce_in_child(&exe, &brokers, &t, n, distinct))
+            .await
+            .map_err(|e| Error::Internal {
+                message: e.to_string(),
+            })??;
     out.push(format!("produced {n} click events of {avg_bytes} bytes on average into {topic} ({} partitions) at {produce_rate:.0}/s", b.partitions));
 
     let (kcat, brokers, t) = (b.kcat.clone(), b.brokers.clone(), topic.clone());
@@ -215,8 +299,8 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let stop = Arc::new(AtomicBool::new(false));
     let policy = config.batch.policy();
     let rss_before = rss_bytes("VmRSS:");
-    let mut rss_peak = rss_before;
-    let mut sampled = Instant::now();
+    let mut rss_ready = 0;
+    let mut load_peak = 0;
     let started = Instant::now();
     let task = tokio::spawn(pipeline::run(
         config.clone(),
@@ -226,6 +310,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     ));
     let received = metrics.records_received.with_label_values(&[&topic]);
     let mut first = None;
+    let mut deciles: Vec<u64> = Vec::with_capacity(10);
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         if task.is_finished() {
@@ -233,12 +318,23 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         }
         if first.is_none() && received.get() > 0 {
             first = Some(Instant::now());
+            // Start-up (model, tables, consumer) is done: its peak is kept
+            // apart and the kernel's high-water mark restarts here, so the
+            // peak read at the end is the peak while draining the backlog.
+            load_peak = rss_bytes("VmHWM:");
+            rss_ready = rss_bytes("VmRSS:");
+            reset_peak_rss();
         }
-        if sampled.elapsed() >= Duration::from_millis(50) {
-            rss_peak = rss_peak.max(rss_bytes("VmRSS:"));
-            sampled = Instant::now();
+        let committed = metrics.records_committed.get();
+        // The peak so far at each tenth of the backlog: flat if memory
+        // does not grow with what was drained.
+        while first.is_some()
+            && committed * 10 >= n * (deciles.len() as u64 + 1)
+            && deciles.len() < 10
+        {
+            deciles.push(rss_bytes("VmHWM:"));
         }
-        if metrics.records_committed.get() >= n {
+        if committed >= n {
             break;
         }
         if Instant::now() > deadline {
@@ -249,6 +345,8 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let done = Instant::now();
+    let drain_peak = rss_bytes("VmHWM:");
+    let (anon, file) = (rss_bytes("RssAnon:"), rss_bytes("RssFile:"));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let summary = task.await.map_err(|e| Error::Internal {
         message: e.to_string(),
@@ -311,18 +409,34 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     ));
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     out.push(format!(
-        "  memory while draining the {n}-event backlog: RSS {:.0} MiB before the pipeline started, peak {:.0} MiB (sampled every 50 ms); source blocked on a full queue {:.1} s",
+        "  memory (RSS of this process; the events were produced by another): {:.0} MiB before the pipeline started, start-up peak {:.0} MiB (model, tables), {:.0} MiB at the first record, peak {:.0} MiB while draining the {n}-event backlog; source blocked on a full queue {:.1} s",
         mib(rss_before),
-        mib(rss_peak),
+        mib(load_peak),
+        mib(rss_ready),
+        mib(drain_peak),
         metrics.backpressure.get()
     ));
     out.push(format!(
-        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} rss_before_mib={:.0} backpressure_s={:.1}",
+        "  RSS at the end: {:.0} MiB anonymous (heap, stacks), {:.0} MiB file-backed (the binary's pages, mapped files)",
+        mib(anon),
+        mib(file)
+    ));
+    out.push(format!(
+        "  peak RSS after each tenth of the backlog (MiB): {}",
+        deciles
+            .iter()
+            .map(|&b| format!("{:.0}", mib(b)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    ));
+    out.push(format!(
+        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1}",
         steamrf.steady,
         kcat.steady,
         steamrf.steady / kcat.steady,
-        mib(rss_peak),
-        mib(rss_before),
+        mib(drain_peak),
+        mib(load_peak),
+        mib(rss_ready),
         metrics.backpressure.get()
     ));
     Ok(out)
@@ -822,6 +936,15 @@ pub struct CommunitiesBench {
     pub full_recompute: bool,
     /// Embedding dimension.
     pub dim: usize,
+}
+
+/// Restarts the kernel's peak-RSS mark (`VmHWM`) at the current RSS
+/// (Linux: `echo 5 > /proc/self/clear_refs`); without it `VmHWM` keeps the
+/// process's peak since start.
+fn reset_peak_rss() {
+    if let Err(e) = std::fs::write("/proc/self/clear_refs", "5") {
+        tracing::warn!(error = %e, "Cannot reset the peak RSS; the reported peak includes start-up.");
+    }
 }
 
 /// A memory line of /proc/self/status (`VmRSS:`, `VmHWM:`), in bytes.

@@ -360,13 +360,15 @@ pub struct KafkaConfig {
 pub struct BatchConfig {
     /// Flush at this many records.
     pub max_rows: usize,
-    /// Flush at this many payload bytes.
+    /// Flush at this many bytes (payloads plus each row's embedding column).
     pub max_bytes: ByteSize,
     /// Flush when the oldest record has waited this long.
     #[serde(with = "humantime_serde_compat")]
     pub linger: Duration,
     /// Batches queued between consumer and writer.
     pub queue_batches: usize,
+    /// Return freed heap pages to the OS after each written batch.
+    pub release_memory: bool,
 }
 
 impl BatchConfig {
@@ -391,6 +393,11 @@ pub struct LanceDbConfig {
     pub optimize_interval: Duration,
     /// Bring the key index up to date after this many new rows (0: no index).
     pub reindex_rows: u64,
+    /// LanceDB's index cache, per process (its own default is 6 GiB).
+    pub index_cache_size: ByteSize,
+    /// LanceDB's metadata cache (manifests, fragment and file metadata), per
+    /// process (its own default is 1 GiB).
+    pub metadata_cache_size: ByteSize,
     /// Object-store options.
     #[serde(deserialize_with = "string_map")]
     pub storage_options: BTreeMap<String, String>,
@@ -445,6 +452,8 @@ impl fmt::Debug for LanceDbConfig {
             .field("uri", &self.uri)
             .field("optimize_interval", &self.optimize_interval)
             .field("reindex_rows", &self.reindex_rows)
+            .field("index_cache_size", &self.index_cache_size)
+            .field("metadata_cache_size", &self.metadata_cache_size)
             .field("storage_options", &redacted(&self.storage_options))
             .finish()
     }

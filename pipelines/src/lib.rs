@@ -6,6 +6,7 @@
 
 #![deny(missing_docs)]
 
+pub mod alloc;
 pub mod bench;
 pub mod communities;
 pub mod config;

@@ -225,6 +225,24 @@ enum BenchCmd {
         #[arg(short, long)]
         config: Option<PathBuf>,
     },
+    /// Produces N synthetic click events (the ingest benchmark's) to a topic.
+    Produce {
+        /// The topic (created if missing).
+        #[arg(long)]
+        topic: String,
+        /// Click events to produce.
+        #[arg(long, default_value_t = 1_000_000)]
+        events: u64,
+        /// Partitions, if the topic is created.
+        #[arg(long, default_value_t = 4)]
+        partitions: i32,
+        /// Bootstrap servers.
+        #[arg(long, default_value = "127.0.0.1:9092")]
+        brokers: String,
+        /// Distinct events (the rest repeat them exactly); 0: all distinct.
+        #[arg(long, default_value_t = 0)]
+        distinct: u64,
+    },
     /// Events/s from Kafka into LanceDB, beside kcat's raw group-consume rate on the same topic.
     Ingest {
         /// Click events to produce and ingest.
@@ -242,9 +260,12 @@ enum BenchCmd {
         /// Base configuration for batching (topic, group and table location are fresh).
         #[arg(short, long)]
         config: Option<PathBuf>,
-        /// Make LanceDB the bottleneck (1,000-row batches, no key index) and report peak RSS under the backlog.
+        /// Make LanceDB the bottleneck (1,000-row batches, no key index), so the backlog waits in Kafka.
         #[arg(long)]
         slow_sink: bool,
+        /// Distinct events among them (the rest repeat them exactly, so the table stops growing at this many rows while the backlog grows); 0: all distinct.
+        #[arg(long, default_value_t = 0)]
+        distinct: u64,
     },
 }
 
@@ -501,6 +522,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     kcat,
                     config,
                     slow_sink,
+                    distinct,
                 },
         } => {
             let config = Config::load(config.as_deref())?;
@@ -512,9 +534,27 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 config,
                 lancedb_uri: None,
                 slow_sink,
+                producer: std::env::current_exe().context("locating the steamrf binary")?,
+                distinct,
             })
             .await
             .context("bench ingest")?;
+            Ok(print_lines(&lines))
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Produce {
+                    topic,
+                    events,
+                    partitions,
+                    brokers,
+                    distinct,
+                },
+        } => {
+            let distinct = if distinct == 0 { events } else { distinct };
+            let lines = bench::produce_events(&brokers, &topic, partitions, events, distinct)
+                .await
+                .context("bench produce")?;
             Ok(print_lines(&lines))
         }
     }

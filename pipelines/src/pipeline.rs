@@ -239,6 +239,7 @@ async fn run_inner(
     let mut summary = RunSummary::default();
     let mut committed: HashMap<(String, i32), i64> = HashMap::new();
     let mut last_optimize = Instant::now();
+    let mut last_trim = Instant::now();
     let optimize_every = config.lancedb.optimize_interval;
     let written = loop {
         let Some(batch) = erx.recv().await else {
@@ -256,6 +257,12 @@ async fn run_inner(
         .await
         {
             break Err(e);
+        }
+        // The batch and the write's working memory are free now; a trim
+        // walks the whole heap, so at most one a second.
+        if config.batch.release_memory && last_trim.elapsed() >= Duration::from_secs(1) {
+            crate::alloc::trim();
+            last_trim = Instant::now();
         }
         if !optimize_every.is_zero() && last_optimize.elapsed() >= optimize_every {
             last_optimize = Instant::now();

@@ -32,13 +32,30 @@ use crate::metrics::Metrics;
 /// # Errors
 /// [`Error::Lance`] if the URI cannot be opened.
 pub async fn connect(cfg: &LanceDbConfig) -> Result<Connection> {
-    let mut b = lancedb::connect(&cfg.uri);
+    let mut b = lancedb::connect(&cfg.uri).session(session(cfg));
     for (k, v) in &cfg.storage_options {
         b = b.storage_option(k, v);
     }
     b.execute()
         .await
         .map_err(Error::lance(format!("connecting to {}", cfg.uri)))
+}
+
+/// The process's LanceDB session: one index cache and one metadata cache of
+/// the configured sizes, shared by every connection (the first connection's
+/// configuration sizes them; a process has one configuration). Without it
+/// each connection gets LanceDB's defaults, 6 GiB and 1 GiB.
+fn session(cfg: &LanceDbConfig) -> Arc<lance::session::Session> {
+    static SESSION: std::sync::OnceLock<Arc<lance::session::Session>> = std::sync::OnceLock::new();
+    SESSION
+        .get_or_init(|| {
+            Arc::new(lance::session::Session::new(
+                cfg.index_cache_size.0,
+                cfg.metadata_cache_size.0,
+                Arc::new(lance::io::ObjectStoreRegistry::default()),
+            ))
+        })
+        .clone()
 }
 
 /// Opens `name`, creating it with `schema` if it does not exist; fails if it

@@ -27,6 +27,13 @@ use crate::config::KafkaConfig;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 
+/// What a decoded row costs in its Arrow batch beyond the payload's bytes:
+/// every table has an embedding column, and a fixed-size list stores
+/// `EMBEDDING_DIM` floats per row, null or not (a click's null vector takes
+/// as much memory as a dialogue turn's vector). `batch.max_bytes` counts it,
+/// so it bounds the batch's memory rather than its JSON.
+pub const ROW_VECTOR_BYTES: usize = steamrf_schemas::tables::EMBEDDING_DIM * 4;
+
 /// Dead-letter header names.
 pub mod headers {
     /// The error kind (`invalid_json`, `missing_field`, ...).
@@ -366,21 +373,25 @@ impl SourceLoop {
                         .entry((topic_idx, msg.partition()))
                         .or_insert(0);
                     *slot = (*slot).max(msg.offset() + 1);
-                    match decoded {
-                        Ok(event) => pending.builders.append(
-                            &event,
-                            Provenance {
-                                partition: msg.partition(),
-                                offset: msg.offset(),
-                                ingested_at_ms: chrono::Utc::now().timestamp_millis(),
-                            },
-                        ),
+                    let size = match decoded {
+                        Ok(event) => {
+                            pending.builders.append(
+                                &event,
+                                Provenance {
+                                    partition: msg.partition(),
+                                    offset: msg.offset(),
+                                    ingested_at_ms: chrono::Utc::now().timestamp_millis(),
+                                },
+                            );
+                            payload.len() + ROW_VECTOR_BYTES
+                        }
                         Err(err) => {
                             let f = self.dead_letter(&msg, payload, &err)?;
                             pending.dead_letters.push(f);
+                            payload.len()
                         }
-                    }
-                    if let Some(reason) = self.tracker.record(payload.len(), now) {
+                    };
+                    if let Some(reason) = self.tracker.record(size, now) {
                         self.flush(&mut pending, opened_at, reason, tx)?;
                     }
                 }

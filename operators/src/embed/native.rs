@@ -10,12 +10,12 @@
 //! - bias adds fused into the multiply, buffers reused across layers;
 //! - GELU with a branch-free erf (max error 4.2e-7) instead of libm's.
 //!
-//! Weights come from the same `model.safetensors` (through candle's loader).
+//! Weights come from the same `model.safetensors` (each tensor through candle's loader).
 
-use std::collections::HashMap;
-
-use candle_core::{DType, Device, Tensor};
+use candle_core::safetensors::Load;
+use candle_core::{DType, Device};
 use candle_transformers::models::bert::Config as BertConfig;
+use safetensors::SafeTensors;
 use steamrf_kernels::nn::{
     MatMut, MatRef, add_assign, gelu_erf, layer_norm, linear, matmul, softmax_rows,
 };
@@ -49,22 +49,32 @@ pub(super) struct NativeBert {
     layers: Vec<Layer>,
 }
 
-struct Weights {
-    tensors: HashMap<String, Tensor>,
+/// The safetensors file, read one tensor at a time: loading then holds the
+/// file and the model's own copy, never a third copy of every tensor.
+struct Weights<'a> {
+    tensors: SafeTensors<'a>,
     prefix: &'static str,
 }
 
-impl Weights {
+impl Weights<'_> {
     fn get(&self, name: &str, len: usize) -> Result<Vec<f32>, String> {
-        let t = self
+        let view = self
             .tensors
-            .get(&format!("{}{name}", self.prefix))
-            .ok_or_else(|| format!("tensor {name} is missing"))?;
-        let v = t
-            .to_dtype(DType::F32)
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| format!("tensor {name}: {e}"))?;
+            .tensor(&format!("{}{name}", self.prefix))
+            .map_err(|_| format!("tensor {name} is missing"))?;
+        let v = if view.dtype() == safetensors::Dtype::F32 {
+            // The common case, copied straight from the file's bytes.
+            view.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        } else {
+            view.load(&Device::Cpu)
+                .and_then(|t| t.to_dtype(DType::F32))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| format!("tensor {name}: {e}"))?
+        };
         if v.len() != len {
             return Err(format!(
                 "tensor {name} has {} values, expected {len}",
@@ -77,9 +87,11 @@ impl Weights {
 
 impl NativeBert {
     pub(super) fn load(bytes: &[u8], config: &BertConfig) -> Result<Self, String> {
-        let tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
-            .map_err(|e| e.to_string())?;
-        let prefix = if tensors.contains_key("bert.embeddings.word_embeddings.weight") {
+        let tensors = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+        let prefix = if tensors
+            .tensor("bert.embeddings.word_embeddings.weight")
+            .is_ok()
+        {
             "bert."
         } else {
             ""
