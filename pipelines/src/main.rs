@@ -230,30 +230,13 @@ enum BenchCmd {
         /// The topic (created if missing).
         #[arg(long)]
         topic: String,
-        /// Click events to produce.
-        #[arg(long, default_value_t = 1_000_000)]
-        events: u64,
-        /// Partitions, if the topic is created.
-        #[arg(long, default_value_t = 4)]
-        partitions: i32,
-        /// Bootstrap servers.
-        #[arg(long, default_value = "127.0.0.1:9092")]
-        brokers: String,
-        /// Distinct events (the rest repeat them exactly); 0: all distinct.
-        #[arg(long, default_value_t = 0)]
-        distinct: u64,
+        #[command(flatten)]
+        events: BenchEvents,
     },
     /// Events/s from Kafka into LanceDB, beside kcat's raw group-consume rate on the same topic.
     Ingest {
-        /// Click events to produce and ingest.
-        #[arg(long, default_value_t = 1_000_000)]
-        events: u64,
-        /// Partitions of the bench topic.
-        #[arg(long, default_value_t = 4)]
-        partitions: i32,
-        /// Bootstrap servers.
-        #[arg(long, default_value = "127.0.0.1:9092")]
-        brokers: String,
+        #[command(flatten)]
+        events: BenchEvents,
         /// The kcat binary (needs librdkafka >= 2.12 for Tansu; scripts/tools.sh installs a wrapper).
         #[arg(long, default_value = ".tools/bin/kcat")]
         kcat: PathBuf,
@@ -263,10 +246,24 @@ enum BenchCmd {
         /// Make LanceDB the bottleneck (1,000-row batches, no key index), so the backlog waits in Kafka.
         #[arg(long)]
         slow_sink: bool,
-        /// Distinct events among them (the rest repeat them exactly, so the table stops growing at this many rows while the backlog grows); 0: all distinct.
-        #[arg(long, default_value_t = 0)]
-        distinct: u64,
     },
+}
+
+/// The synthetic click events of `bench produce` and `bench ingest`.
+#[derive(clap::Args)]
+struct BenchEvents {
+    /// Click events.
+    #[arg(long, default_value_t = 1_000_000)]
+    events: u64,
+    /// Partitions of the topic, if it is created.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Bootstrap servers.
+    #[arg(long, default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Distinct events among them (the rest repeat them exactly, so a table stops growing at this many rows while the backlog grows); 0: all distinct.
+    #[arg(long, default_value_t = 0)]
+    distinct: u64,
 }
 
 fn main() -> ExitCode {
@@ -517,42 +514,36 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             which:
                 BenchCmd::Ingest {
                     events,
-                    partitions,
-                    brokers,
                     kcat,
                     config,
                     slow_sink,
-                    distinct,
                 },
         } => {
             let config = Config::load(config.as_deref())?;
             let lines = bench::ingest(bench::IngestBench {
-                brokers,
-                events,
-                partitions,
+                brokers: events.brokers,
+                events: events.events,
+                partitions: events.partitions,
                 kcat,
                 config,
                 lancedb_uri: None,
                 slow_sink,
                 producer: std::env::current_exe().context("locating the steamrf binary")?,
-                distinct,
+                distinct: events.distinct,
             })
             .await
             .context("bench ingest")?;
             Ok(print_lines(&lines))
         }
         Cmd::Bench {
-            which:
-                BenchCmd::Produce {
-                    topic,
-                    events,
-                    partitions,
-                    brokers,
-                    distinct,
-                },
+            which: BenchCmd::Produce { topic, events: e },
         } => {
-            let distinct = if distinct == 0 { events } else { distinct };
-            let lines = bench::produce_events(&brokers, &topic, partitions, events, distinct)
+            let distinct = if e.distinct == 0 {
+                e.events
+            } else {
+                e.distinct
+            };
+            let lines = bench::produce_events(&e.brokers, &topic, e.partitions, e.events, distinct)
                 .await
                 .context("bench produce")?;
             Ok(print_lines(&lines))

@@ -149,25 +149,32 @@ fn relinking_a_changed_memory_replaces_its_links_and_updates_communities() {
     assert_eq!(s.prototype(c).unwrap().users, 4);
 }
 
-#[test]
-fn restoring_memories_and_links_rebuilds_the_same_communities() {
-    let mut s = SteamState::new(SteamParams::default(), 3);
-    let o = s.observe(jazz_and_scifi()).unwrap();
-    let l = s.link(&CpuKernel::default(), &o.changed).unwrap();
-    let mut r = SteamState::new(SteamParams::default(), 3);
-    for u in ["alice", "bob", "carol", "dave"] {
-        for m in &s.user(u).unwrap().memories {
+/// A state restored as from the tables: `users`' memories of `from`, and
+/// `links` (all of them, also those to memories not restored), rebuilt.
+fn restored(from: &SteamState, users: &[&str], links: &[Link]) -> SteamState {
+    let mut r = SteamState::new(*from.params(), 3);
+    for u in users {
+        for m in &from.user(u).unwrap().memories {
             r.restore_memory(m.clone()).unwrap();
         }
     }
     let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
-    for link in &l.links {
-        by_from.entry(link.from).or_default().push(*link);
+    for l in links {
+        by_from.entry(l.from).or_default().push(*l);
     }
     for (from, links) in by_from {
         r.restore_links(from, links);
     }
     r.rebuild();
+    r
+}
+
+#[test]
+fn restoring_memories_and_links_rebuilds_the_same_communities() {
+    let mut s = SteamState::new(SteamParams::default(), 3);
+    let o = s.observe(jazz_and_scifi()).unwrap();
+    let l = s.link(&CpuKernel::default(), &o.changed).unwrap();
+    let r = restored(&s, &["alice", "bob", "carol", "dave"], &l.links);
     assert_eq!(r.communities().partition(), s.communities().partition());
     let protos = |s: &SteamState| {
         let mut v: Vec<(Vec<MemoryId>, String)> = s
@@ -272,20 +279,7 @@ fn forgetting_a_user_whose_memories_are_already_gone_drops_the_dangling_links() 
     let bob = full.user("bob").unwrap().memories[0].id;
     assert!(linked.links.iter().any(|l| l.to == bob));
     // Restored from tables that no longer hold bob's memory, but still his links.
-    let mut restored = SteamState::new(params, 3);
-    for u in ["ann", "cat", "dan"] {
-        for m in &full.user(u).unwrap().memories {
-            restored.restore_memory(m.clone()).unwrap();
-        }
-    }
-    let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
-    for l in &linked.links {
-        by_from.entry(l.from).or_default().push(*l);
-    }
-    for (from, links) in by_from {
-        restored.restore_links(from, links);
-    }
-    restored.rebuild();
+    let mut restored = restored(&full, &["ann", "cat", "dan"], &linked.links);
     let (gone, out) = restored.forget_user(&CpuKernel::default(), "bob").unwrap();
     assert!(gone.is_empty(), "nothing of bob's was left to delete");
     assert!(out.links.iter().all(|l| l.to != bob && l.from != bob));
