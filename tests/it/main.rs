@@ -680,6 +680,31 @@ fn kafka_events_to_a_retrieval_answer() {
     assert!(pipeline.sigterm().success());
 }
 
+/// The reference for the scaled-out write path: `file` through one
+/// in-process pipeline with STEAM on (`steam` more `[steam]` keys), on a
+/// topic, group and tables of its own under `dir/base`. Returns its LanceDB URI.
+fn in_process_reference(
+    dir: &std::path::Path,
+    topic: &str,
+    file: &std::path::Path,
+    steam: &str,
+) -> String {
+    let base_dir = dir.join("base");
+    std::fs::create_dir(&base_dir).unwrap();
+    let base_topic = format!("{topic}-base");
+    produce_all(&base_topic, 1, file);
+    let base = PipelineConfig {
+        dir: &base_dir,
+        topic: &base_topic,
+        group: &format!("{topic}-base"),
+        dlq: &format!("{topic}-base-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    base.run_to_idle(&format!("[steam]\nenabled = true\n{steam}"));
+    base.lancedb_uri()
+}
+
 /// The `[steam]` section of the scaled-out write path, with a changes topic per test.
 fn scaled_out_steam(topic: &str) -> String {
     format!(
@@ -717,21 +742,7 @@ fn scaled_out_community_writer_matches_in_process() {
     std::fs::write(&items_file, items.join("\n") + "\n").unwrap();
     std::fs::write(&rest_file, rest.join("\n") + "\n").unwrap();
 
-    // The reference: one in-process pipeline, one partition.
-    let base_dir = dir.path().join("base");
-    std::fs::create_dir(&base_dir).unwrap();
-    let base_topic = format!("{topic}-base");
-    produce_all(&base_topic, 1, &file);
-    let base = PipelineConfig {
-        dir: &base_dir,
-        topic: &base_topic,
-        group: &format!("{topic}-base"),
-        dlq: &format!("{topic}-base-dlq"),
-        max_rows: 1000,
-        linger_ms: 100,
-    };
-    base.run_to_idle("[steam]\nenabled = true\n");
-    let base_uri = base.lancedb_uri();
+    let base_uri = in_process_reference(dir.path(), &topic, &file, "");
 
     // Scaled out: two ingest instances and the writer, on their own tables.
     let cfg = PipelineConfig {

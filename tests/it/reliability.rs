@@ -325,30 +325,17 @@ fn forgetting_in_the_scaled_out_write_path_reaches_the_community_writer() {
         )
     };
 
-    // The reference: the same events and forgets, in process.
-    let base_dir = dir.path().join("base");
-    std::fs::create_dir(&base_dir).unwrap();
-    let base_topic = format!("{topic}-base");
+    // The reference: the same events and forgets, in process. One link per
+    // memory: forgetting a user's memory makes the memories that pointed at
+    // it find another (re-linking is visible).
+    let k1 = "k1 = 1\n";
     let all = dir.path().join("all.jsonl");
     std::fs::write(
         &all,
         format!("{text}{}{}", forget("user3"), forget("user0")),
     )
     .unwrap();
-    produce_all(&base_topic, 1, &all);
-    let base = PipelineConfig {
-        dir: &base_dir,
-        topic: &base_topic,
-        group: &format!("{topic}-base"),
-        dlq: &format!("{topic}-base-dlq"),
-        max_rows: 1000,
-        linger_ms: 100,
-    };
-    // One link per memory: forgetting a user's memory makes the memories
-    // that pointed at it find another (re-linking is visible).
-    let k1 = "k1 = 1\n";
-    base.run_to_idle(&format!("[steam]\nenabled = true\n{k1}"));
-    let base_uri = base.lancedb_uri();
+    let base_uri = crate::in_process_reference(dir.path(), &topic, &all, k1);
 
     let cfg = PipelineConfig {
         dir: dir.path(),

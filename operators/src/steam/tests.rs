@@ -187,10 +187,9 @@ fn restoring_memories_and_links_rebuilds_the_same_communities() {
     assert_eq!(protos(&r), protos(&s));
 }
 
-#[test]
-fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
-    // ann - bob - cat - dan in a chain through bob's and cat's memories:
-    // forgetting bob leaves communities below the floor of 3 users.
+/// ann - bob - cat - dan in a chain through bob's and cat's memories (one
+/// link per memory), linked: one community, one prototype.
+fn chain_through_bob() -> (SteamState, LinkOutcome) {
     let mut s = SteamState::new(
         SteamParams {
             k1: 1,
@@ -206,7 +205,15 @@ fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
             ("dan".into(), obs("d", 4, [0.0, 1.0, 0.05], "D", "x")),
         ])
         .unwrap();
-    s.link(&CpuKernel::default(), &o.changed).unwrap();
+    let linked = s.link(&CpuKernel::default(), &o.changed).unwrap();
+    (s, linked)
+}
+
+#[test]
+fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
+    // ann - bob - cat - dan in a chain through bob's and cat's memories:
+    // forgetting bob leaves communities below the floor of 3 users.
+    let (mut s, _) = chain_through_bob();
     assert_eq!(s.communities().count(), 1);
     assert_eq!(s.prototypes().count(), 1);
     let bob = s.user("bob").unwrap().memories[0].id;
@@ -262,20 +269,7 @@ fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
 /// that held the user ends.
 #[test]
 fn forgetting_a_user_whose_memories_are_already_gone_drops_the_dangling_links() {
-    let params = SteamParams {
-        k1: 1,
-        ..SteamParams::default()
-    };
-    let mut full = SteamState::new(params, 3);
-    let o = full
-        .observe(vec![
-            ("ann".into(), obs("a", 1, [1.0, 0.0, 0.0], "A", "x")),
-            ("bob".into(), obs("b", 2, [0.75, 0.66, 0.0], "B", "x")),
-            ("cat".into(), obs("c", 3, [0.28, 0.96, 0.0], "C", "x")),
-            ("dan".into(), obs("d", 4, [0.0, 1.0, 0.05], "D", "x")),
-        ])
-        .unwrap();
-    let linked = full.link(&CpuKernel::default(), &o.changed).unwrap();
+    let (mut full, linked) = chain_through_bob();
     let bob = full.user("bob").unwrap().memories[0].id;
     assert!(linked.links.iter().any(|l| l.to == bob));
     // Restored from tables that no longer hold bob's memory, but still his links.
