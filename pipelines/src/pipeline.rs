@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::embed::EmbedStage;
-use crate::error::{Error, Result, backoff};
+use crate::error::{Error, Result};
 use crate::forget;
 use crate::metrics::Metrics;
 use crate::sink::LanceSink;
@@ -344,27 +344,15 @@ async fn embed_batch(
     metrics: &Metrics,
     batch: &mut SourceBatch,
 ) -> Result<()> {
-    let mut attempt = 0;
-    loop {
+    let on_error = |e: &Error| metrics.error("embed", e);
+    let tables = crate::error::retry(WRITE_ATTEMPTS, "Embedding", on_error, || async {
         let mut tables = batch.tables.clone();
-        match stage.apply(sink, &mut tables).await {
-            Ok(()) => {
-                batch.tables = tables;
-                return Ok(());
-            }
-            Err(e) if e.retryable() && attempt + 1 < WRITE_ATTEMPTS => {
-                metrics.error("embed", &e);
-                let wait = backoff(attempt);
-                tracing::warn!(attempt, error = %e, ?wait, "Embedding failed; retrying.");
-                tokio::time::sleep(wait).await;
-                attempt += 1;
-            }
-            Err(e) => {
-                metrics.error("embed", &e);
-                return Err(e);
-            }
-        }
-    }
+        stage.apply(sink, &mut tables).await.map(|()| tables)
+    })
+    .await
+    .inspect_err(on_error)?;
+    batch.tables = tables;
+    Ok(())
 }
 
 async fn write_batch(
@@ -377,23 +365,12 @@ async fn write_batch(
     summary: &mut RunSummary,
 ) -> Result<()> {
     for (table, rows) in batch.tables.iter() {
-        let mut attempt = 0;
-        let stats = loop {
-            match sink.write(table, rows).await {
-                Ok(s) => break s,
-                Err(e) if e.retryable() && attempt + 1 < WRITE_ATTEMPTS => {
-                    metrics.error("sink", &e);
-                    let wait = backoff(attempt);
-                    tracing::warn!(table = table.as_str(), attempt, error = %e, ?wait, "Write failed; retrying.");
-                    tokio::time::sleep(wait).await;
-                    attempt += 1;
-                }
-                Err(e) => {
-                    metrics.error("sink", &e);
-                    return Err(e);
-                }
-            }
-        };
+        let on_error = |e: &Error| metrics.error("sink", e);
+        let what = format!("Writing {}", table.as_str());
+        let stats =
+            crate::error::retry(WRITE_ATTEMPTS, &what, on_error, || sink.write(table, rows))
+                .await
+                .inspect_err(on_error)?;
         summary.rows_written += stats.inserted + stats.updated;
         tracing::debug!(
             table = table.as_str(),
