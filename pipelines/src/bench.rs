@@ -125,23 +125,30 @@ fn produce_in_child(
             source,
         })?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let result = text.lines().find(|l| l.starts_with("RESULT "));
-    let field = |k: &str| {
-        result.and_then(|l| {
-            l.split_whitespace()
-                .find_map(|kv| kv.strip_prefix(k)?.strip_prefix('='))
-        })
-    };
+    let result = result_fields(&text).unwrap_or_default();
     match (
         out.status.success(),
-        field("events_per_s").and_then(|v| v.parse().ok()),
-        field("avg_bytes").and_then(|v| v.parse().ok()),
+        result.get("events_per_s"),
+        result.get("avg_bytes"),
     ) {
-        (true, Some(rate), Some(avg)) => Ok((rate, avg)),
+        (true, Some(&rate), Some(&avg)) => Ok((rate, avg as usize)),
         _ => Err(Error::Internal {
             message: format!("bench produce failed ({}): {text}", out.status),
         }),
     }
+}
+
+/// The fields of a bench or eval command's output, whose last line is
+/// `RESULT key=value …` with numeric values; `None` if it is not.
+pub fn result_fields(output: &str) -> Option<std::collections::HashMap<String, f64>> {
+    let fields = output.lines().last()?.strip_prefix("RESULT ")?;
+    fields
+        .split_whitespace()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            Some((k.to_owned(), v.parse().ok()?))
+        })
+        .collect()
 }
 
 fn produce(brokers: &str, topic: &str, n: u64, distinct: u64) -> Result<(f64, usize)> {

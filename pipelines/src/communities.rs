@@ -204,12 +204,8 @@ async fn run_inner(
             let receipt = crate::forget::apply_tombstone(&mut stage, t)
                 .await
                 .inspect_err(|e| metrics.error("forget", e))?;
-            metrics.forgets.inc();
+            crate::forget::record(&metrics, &receipt);
             summary.forgets += 1;
-            tracing::info!(
-                receipt = %serde_json::to_string(&receipt).unwrap_or_default(),
-                "Forget done."
-            );
         }
         let mut tpl = TopicPartitionList::new();
         for ((t, p), o) in &got.offsets {

@@ -115,6 +115,15 @@ async fn purge_once(table: &Table) -> Result<TableCleanup> {
     })
 }
 
+/// Counts a finished forget and logs its receipt (`Forget done.`, JSON).
+pub(crate) fn record(metrics: &crate::Metrics, receipt: &Receipt) {
+    metrics.forgets.inc();
+    tracing::info!(
+        receipt = %serde_json::to_string(receipt).unwrap_or_default(),
+        "Forget done."
+    );
+}
+
 /// A SQL string literal.
 pub(crate) fn quoted(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))

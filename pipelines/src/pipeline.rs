@@ -402,11 +402,7 @@ async fn write_batch(
         let receipt = forget::forget(sink, steam.as_deref_mut(), user_id, Some(event_id))
             .await
             .inspect_err(|e| metrics.error("forget", e))?;
-        metrics.forgets.inc();
-        tracing::info!(
-            receipt = %serde_json::to_string(&receipt).unwrap_or_default(),
-            "Forget done."
-        );
+        forget::record(metrics, &receipt);
     }
     for f in batch.dead_letters {
         match f.await {

@@ -137,29 +137,34 @@ impl ChangePublisher {
         let mut start = 0;
         while start < batch.num_rows() {
             let len = CHANGES_PER_RECORD.min(batch.num_rows() - start);
-            let bytes = encode_changes(&batch.slice(start, len))?;
-            let record: rdkafka::producer::FutureRecord<'_, (), [u8]> =
-                rdkafka::producer::FutureRecord::to(&self.topic).payload(&bytes);
-            let d = self
-                .producer
-                .send_result(record)
-                .map_err(|(e, _)| Error::kafka("queueing a memory change")(e))?;
-            deliveries.push(d);
+            deliveries.push(self.send(&encode_changes(&batch.slice(start, len))?)?);
             start += len;
         }
         let records = deliveries.len();
         for d in deliveries {
-            match d.await {
-                Ok(Ok(_)) => {}
-                Ok(Err((e, _))) => return Err(Error::kafka("publishing memory changes")(e)),
-                Err(_) => {
-                    return Err(Error::Internal {
-                        message: "the changes producer was dropped".into(),
-                    });
-                }
-            }
+            delivered(d).await?;
         }
         Ok(records)
+    }
+
+    /// Queues one record.
+    fn send(&self, bytes: &[u8]) -> Result<rdkafka::producer::DeliveryFuture> {
+        let record: rdkafka::producer::FutureRecord<'_, (), [u8]> =
+            rdkafka::producer::FutureRecord::to(&self.topic).payload(bytes);
+        self.producer
+            .send_result(record)
+            .map_err(|(e, _)| Error::kafka("queueing a memory change")(e))
+    }
+}
+
+/// Waits until the broker has a record [`ChangePublisher::send`] queued.
+async fn delivered(d: rdkafka::producer::DeliveryFuture) -> Result<()> {
+    match d.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(Error::kafka("publishing memory changes")(e)),
+        Err(_) => Err(Error::Internal {
+            message: "the changes producer was dropped".into(),
+        }),
     }
 }
 
@@ -214,20 +219,7 @@ impl ChangePublisher {
         let bytes = serde_json::to_vec(t).map_err(|e| Error::Internal {
             message: format!("encoding a tombstone: {e}"),
         })?;
-        let record: rdkafka::producer::FutureRecord<'_, (), [u8]> =
-            rdkafka::producer::FutureRecord::to(&self.topic).payload(&bytes);
-        match self
-            .producer
-            .send_result(record)
-            .map_err(|(e, _)| Error::kafka("queueing a tombstone")(e))?
-            .await
-        {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err((e, _))) => Err(Error::kafka("publishing a tombstone")(e)),
-            Err(_) => Err(Error::Internal {
-                message: "the changes producer was dropped".into(),
-            }),
-        }
+        delivered(self.send(&bytes)?).await
     }
 }
 
@@ -693,11 +685,7 @@ impl SteamStage {
         // the memories any more, and links are written with both users.
         let mut links = format!("from_user = {user} OR to_user = {user}");
         if !ids.is_empty() {
-            let list = ids
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(",");
+            let list = id_list(&ids);
             links.push_str(&format!(" OR from_id IN ({list}) OR to_id IN ({list})"));
         }
         out.links = crate::forget::delete_counted(&self.links, &links).await?;
@@ -1054,18 +1042,21 @@ pub async fn load_state(
     Ok(state)
 }
 
+/// `ids` as a SQL list body: `1,2,3`.
+fn id_list(ids: &[MemoryId]) -> String {
+    ids.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Deletes the rows whose `column` is one of `ids` (nothing when empty).
 async fn delete_ids(table: &Table, column: &str, ids: &[MemoryId]) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
-    let list = ids
-        .iter()
-        .map(|id| id.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
     table
-        .delete(&format!("{column} IN ({list})"))
+        .delete(&format!("{column} IN ({})", id_list(ids)))
         .await
         .map_err(Error::lance(format!("deleting from {}", table.name())))?;
     Ok(())

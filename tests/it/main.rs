@@ -139,12 +139,7 @@ fn replay_adds_no_rows() {
             max_rows: 500,
             linger_ms: 50,
         };
-        let mut p = Pipeline::start(&cfg.write(), Some("3s"));
-        assert!(
-            p.wait(Duration::from_secs(120)).success(),
-            "{}",
-            p.log_text()
-        );
+        let p = Pipeline::run_to_idle(&cfg.write());
         assert_tables(&cfg.lancedb_uri(), &exp);
         // The replay finds every dialogue turn and item version stored: it
         // embeds nothing.

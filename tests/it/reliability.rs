@@ -105,12 +105,7 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
     )
     .unwrap();
     produce_all(&topic, 1, &more);
-    let mut p = Pipeline::start(&config, Some("3s"));
-    assert!(
-        p.wait(Duration::from_secs(120)).success(),
-        "{}",
-        p.log_text()
-    );
+    let p = Pipeline::run_to_idle(&config);
     let log = p.log_text();
     assert!(log.contains("Forget done."), "{log}");
     assert!(log.contains(r#""user_id":"user3""#), "{log}");
@@ -476,16 +471,8 @@ fn slow_sink_bench(events: u64, distinct: u64) -> std::collections::HashMap<Stri
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("{text}");
-    let result = text.lines().last().unwrap();
-    assert!(result.starts_with("RESULT "), "{text}");
-    result
-        .split_whitespace()
-        .skip(1)
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap();
-            (k.to_owned(), v.parse().unwrap())
-        })
-        .collect()
+    steamrf_pipelines::bench::result_fields(&text)
+        .unwrap_or_else(|| panic!("no RESULT line last: {text}"))
 }
 
 /// A slow sink keeps the backlog in Kafka, not in memory: with LanceDB the
@@ -760,12 +747,7 @@ fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
 
     // 1. Five failed requests: retried (by the client, then the batch), no restart.
     let (config, uri) = remote(&format!("{topic}-short"));
-    let mut p = Pipeline::start(&config, Some("3s"));
-    assert!(
-        p.wait(Duration::from_secs(120)).success(),
-        "{}",
-        p.log_text()
-    );
+    Pipeline::run_to_idle(&config);
     assert_eq!(embedded(&uri), want);
     assert_eq!(server.fail.load(std::sync::atomic::Ordering::SeqCst), 0);
     assert!(server.requests.load(std::sync::atomic::Ordering::SeqCst) > 5);
@@ -790,12 +772,7 @@ fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
         "nothing written while the endpoint is down"
     );
     server.fail.store(0, std::sync::atomic::Ordering::SeqCst);
-    let mut p = Pipeline::start(&config, Some("3s"));
-    assert!(
-        p.wait(Duration::from_secs(120)).success(),
-        "{}",
-        p.log_text()
-    );
+    Pipeline::run_to_idle(&config);
     assert_eq!(embedded(&uri), want);
 }
 

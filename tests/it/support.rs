@@ -235,12 +235,7 @@ impl PipelineConfig<'_> {
     /// Runs `steamrf run` on this configuration (plus `extra`) until the
     /// topic has been idle for 3 s, and checks it exits 0.
     pub fn run_to_idle(&self, extra: &str) {
-        let mut p = Pipeline::start(&self.write_with(extra), Some("3s"));
-        assert!(
-            p.wait(Duration::from_secs(120)).success(),
-            "{}",
-            p.log_text()
-        );
+        Pipeline::run_to_idle(&self.write_with(extra));
     }
 
     pub fn write(&self) -> PathBuf {
@@ -273,6 +268,18 @@ pub fn free_port() -> u16 {
 impl Pipeline {
     pub fn start(config: &Path, exit_when_idle: Option<&str>) -> Self {
         Self::start_command("run", config, exit_when_idle)
+    }
+
+    /// Runs `steamrf run` on `config` until the topic has been idle for 3 s,
+    /// checks it exits 0, and returns it (for its log).
+    pub fn run_to_idle(config: &Path) -> Self {
+        let mut p = Self::start(config, Some("3s"));
+        assert!(
+            p.wait(Duration::from_secs(120)).success(),
+            "{}",
+            p.log_text()
+        );
+        p
     }
 
     /// `steamrf <command> --config … --metrics-addr …` (`run` or `communities`).
