@@ -138,17 +138,29 @@ fn produce_in_child(
     }
 }
 
-/// The fields of a bench or eval command's output, whose last line is
-/// `RESULT key=value …` with numeric values; `None` if it is not.
+/// The build profile this binary was compiled with, named in every bench's
+/// `RESULT` line (`profile=dev|release`): the dev profile builds dependencies at
+/// opt-level 1, so its figures and the release build's differ.
+pub const PROFILE: &str = if cfg!(debug_assertions) {
+    "dev"
+} else {
+    "release"
+};
+
+/// The numeric fields of a bench or eval command's output, whose last line is
+/// `RESULT key=value …`; `None` if it is not. Fields whose value is not a number
+/// (`profile=dev`, `store=ivf`) are left out.
 pub fn result_fields(output: &str) -> Option<std::collections::HashMap<String, f64>> {
     let fields = output.lines().last()?.strip_prefix("RESULT ")?;
-    fields
-        .split_whitespace()
-        .map(|kv| {
-            let (k, v) = kv.split_once('=')?;
-            Some((k.to_owned(), v.parse().ok()?))
-        })
-        .collect()
+    Some(
+        fields
+            .split_whitespace()
+            .filter_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                Some((k.to_owned(), v.parse().ok()?))
+            })
+            .collect(),
+    )
 }
 
 fn produce(brokers: &str, topic: &str, n: u64, distinct: u64) -> Result<(f64, usize)> {

@@ -551,10 +551,19 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Prints a benchmark's report (its last line is the `RESULT` line).
+/// Prints a benchmark's report; its last line, the `RESULT` line, gains the
+/// build profile (`profile=dev|release`).
 fn print_lines(lines: &[String]) -> ExitCode {
-    for l in lines {
+    let Some((last, rest)) = lines.split_last() else {
+        return ExitCode::SUCCESS;
+    };
+    for l in rest {
         println!("{l}");
+    }
+    if last.starts_with("RESULT ") {
+        println!("{last} profile={}", bench::PROFILE);
+    } else {
+        println!("{last}");
     }
     ExitCode::SUCCESS
 }

@@ -48,6 +48,82 @@ pub mod headers {
     pub const PARTITION: &str = "steamrf-source-partition";
     /// Source offset.
     pub const OFFSET: &str = "steamrf-source-offset";
+    /// Present when the payload was cut to fit the producer's
+    /// `message.max.bytes`: the original payload's length in bytes.
+    pub const ORIGINAL_PAYLOAD_BYTES: &str = "steamrf-original-payload-bytes";
+    /// Present when the key was cut: the original key's length in bytes.
+    pub const ORIGINAL_KEY_BYTES: &str = "steamrf-original-key-bytes";
+}
+
+/// librdkafka's default `message.max.bytes`, the dead-letter producer's limit
+/// unless `kafka.properties` sets another.
+const DEFAULT_MESSAGE_MAX_BYTES: usize = 1_000_000;
+/// Room kept in a dead letter for the record's own framing (lengths,
+/// timestamp, attributes, header names' varints).
+const DEAD_LETTER_FRAMING_BYTES: usize = 1024;
+/// The most of a header value a dead letter carries: a reason or field name
+/// can quote hostile input.
+const DEAD_LETTER_HEADER_MAX_BYTES: usize = 1024;
+/// The most of the original record's key a dead letter carries.
+const DEAD_LETTER_KEY_MAX_BYTES: usize = 4096;
+
+/// What a dead letter carries of a malformed record.
+#[derive(Debug, PartialEq, Eq)]
+struct FittedDeadLetter<'a> {
+    payload: &'a [u8],
+    key: Option<&'a [u8]>,
+    /// The original payload's length, when it was cut.
+    payload_cut_from: Option<usize>,
+    /// The original key's length, when it was cut.
+    key_cut_from: Option<usize>,
+}
+
+/// Cuts a dead letter so that key + payload + headers + framing stay within
+/// the producer's `max_message_bytes`. A record refused by the producer
+/// (`MessageSizeTooLarge`) would stop the pipeline on it at every restart: a
+/// malformed record just under `kafka.max_event_bytes` (1 MiB by default,
+/// above librdkafka's 1,000,000) did exactly that. `header_bytes` are the
+/// other headers' names and values; room for the two length headers is kept.
+fn fit_dead_letter<'a>(
+    payload: &'a [u8],
+    key: Option<&'a [u8]>,
+    header_bytes: usize,
+    max_message_bytes: usize,
+) -> FittedDeadLetter<'a> {
+    let (key, key_cut_from) = match key {
+        Some(k) if k.len() > DEAD_LETTER_KEY_MAX_BYTES => {
+            (Some(&k[..DEAD_LETTER_KEY_MAX_BYTES]), Some(k.len()))
+        }
+        k => (k, None),
+    };
+    let length_headers =
+        headers::ORIGINAL_PAYLOAD_BYTES.len() + headers::ORIGINAL_KEY_BYTES.len() + 40;
+    let room = max_message_bytes.saturating_sub(
+        DEAD_LETTER_FRAMING_BYTES + header_bytes + length_headers + key.map_or(0, <[u8]>::len),
+    );
+    let (payload, payload_cut_from) = if payload.len() > room {
+        (&payload[..room], Some(payload.len()))
+    } else {
+        (payload, None)
+    };
+    FittedDeadLetter {
+        payload,
+        key,
+        payload_cut_from,
+        key_cut_from,
+    }
+}
+
+/// `s` cut to at most `max` bytes, on a character boundary.
+fn clip(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 /// One micro-batch on its way to the writer.
@@ -430,18 +506,50 @@ impl SourceLoop {
         let partition = msg.partition().to_string();
         let offset = msg.offset().to_string();
         let reason = err.to_string();
-        let headers = OwnedHeaders::new()
+        let reason = clip(&reason, DEAD_LETTER_HEADER_MAX_BYTES);
+        let field = clip(err.field.as_str(), DEAD_LETTER_HEADER_MAX_BYTES);
+        let header_bytes = [
+            (headers::KIND, err.kind.as_str()),
+            (headers::FIELD, field),
+            (headers::REASON, reason),
+            (headers::TOPIC, msg.topic()),
+            (headers::PARTITION, &partition),
+            (headers::OFFSET, &offset),
+        ]
+        .iter()
+        .map(|(k, v)| k.len() + v.len())
+        .sum();
+        let max_message_bytes = self
+            .config
+            .properties
+            .get("message.max.bytes")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_MESSAGE_MAX_BYTES);
+        let fitted = fit_dead_letter(payload, msg.key(), header_bytes, max_message_bytes);
+        if let Some(n) = fitted.payload_cut_from {
+            tracing::warn!(
+                topic = msg.topic(),
+                partition = msg.partition(),
+                offset = msg.offset(),
+                bytes = n,
+                kept = fitted.payload.len(),
+                "A dead letter's payload was cut to fit message.max.bytes."
+            );
+        }
+        let payload_cut_from = fitted.payload_cut_from.map(|n| n.to_string());
+        let key_cut_from = fitted.key_cut_from.map(|n| n.to_string());
+        let mut headers = OwnedHeaders::new()
             .insert(Header {
                 key: headers::KIND,
                 value: Some(err.kind.as_str()),
             })
             .insert(Header {
                 key: headers::FIELD,
-                value: Some(err.field.as_str()),
+                value: Some(field),
             })
             .insert(Header {
                 key: headers::REASON,
-                value: Some(reason.as_str()),
+                value: Some(reason),
             })
             .insert(Header {
                 key: headers::TOPIC,
@@ -455,10 +563,21 @@ impl SourceLoop {
                 key: headers::OFFSET,
                 value: Some(offset.as_str()),
             });
+        for (name, value) in [
+            (headers::ORIGINAL_PAYLOAD_BYTES, &payload_cut_from),
+            (headers::ORIGINAL_KEY_BYTES, &key_cut_from),
+        ] {
+            if let Some(v) = value {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(v.as_str()),
+                });
+            }
+        }
         let mut record = FutureRecord::to(&self.config.dead_letter_topic)
-            .payload(payload)
+            .payload(fitted.payload)
             .headers(headers);
-        if let Some(key) = msg.key() {
+        if let Some(key) = fitted.key {
             record = record.key(key);
         }
         loop {
@@ -530,5 +649,69 @@ impl SourceLoop {
             }
             Err(mpsc::error::TrySendError::Closed(_)) => Err(stopped()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letter_that_fits_is_sent_whole() {
+        let payload = vec![b'x'; 900_000];
+        let f = fit_dead_letter(&payload, Some(b"alice"), 300, DEFAULT_MESSAGE_MAX_BYTES);
+        assert_eq!(f.payload.len(), 900_000);
+        assert_eq!(f.key, Some(&b"alice"[..]));
+        assert_eq!((f.payload_cut_from, f.key_cut_from), (None, None));
+    }
+
+    #[test]
+    fn a_payload_over_the_producer_limit_is_cut_to_fit_with_its_headers() {
+        // The poison pill: a malformed record just under max_event_bytes (1 MiB).
+        let payload = vec![b'x'; 1_040_109];
+        let header_bytes = 5_000;
+        let f = fit_dead_letter(
+            &payload,
+            Some(b"alice"),
+            header_bytes,
+            DEFAULT_MESSAGE_MAX_BYTES,
+        );
+        assert_eq!(f.payload_cut_from, Some(1_040_109));
+        let total = f.payload.len() + 5 + header_bytes + DEAD_LETTER_FRAMING_BYTES;
+        assert!(total < DEFAULT_MESSAGE_MAX_BYTES, "{total}");
+        assert!(
+            f.payload.len() > 990_000,
+            "keeps nearly all it can: {}",
+            f.payload.len()
+        );
+        assert_eq!(
+            f.payload,
+            &payload[..f.payload.len()],
+            "a prefix of the original"
+        );
+        // A raised producer limit keeps it whole.
+        let f = fit_dead_letter(&payload, None, header_bytes, 2_000_000);
+        assert_eq!((f.payload.len(), f.payload_cut_from), (1_040_109, None));
+    }
+
+    #[test]
+    fn a_huge_key_is_cut_too_and_nothing_underflows() {
+        let key = vec![b'k'; 600_000];
+        let payload = vec![b'x'; 600_000];
+        let f = fit_dead_letter(&payload, Some(&key), 0, DEFAULT_MESSAGE_MAX_BYTES);
+        assert_eq!(f.key.map(<[u8]>::len), Some(DEAD_LETTER_KEY_MAX_BYTES));
+        assert_eq!(f.key_cut_from, Some(600_000));
+        assert!(f.payload_cut_from.is_none());
+        // A limit smaller than the framing leaves an empty payload, not a panic.
+        let f = fit_dead_letter(&payload, Some(&key), 10_000, 100);
+        assert!(f.payload.is_empty());
+        assert_eq!(f.payload_cut_from, Some(600_000));
+    }
+
+    #[test]
+    fn clip_cuts_on_a_character_boundary() {
+        assert_eq!(clip("héllo", 2), "h");
+        assert_eq!(clip("héllo", 3), "hé");
+        assert_eq!(clip("abc", 10), "abc");
     }
 }

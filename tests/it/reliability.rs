@@ -477,15 +477,22 @@ fn slow_sink_bench(events: u64, distinct: u64) -> std::collections::HashMap<Stri
 
 /// A slow sink keeps the backlog in Kafka, not in memory: with LanceDB the
 /// bottleneck (1,000-row merges without the key index) and a table that
-/// stays at 20,000 rows, four times the backlog (400,000 events instead of
-/// 100,000) barely moves the peak RSS while draining it. Measured here:
-/// 278 → 305 MiB; the same run with an unbounded queue between source and
-/// writer (`batch.queue_batches = 100000`) peaks at 840 MiB, so the bound
-/// below catches a backlog held in memory.
+/// stays at 20,000 rows, three times the backlog (1,200,000 events instead
+/// of 400,000) barely moves the peak RSS while draining it.
+///
+/// Both backlogs exceed what librdkafka prefetches (`queued.max.messages.kbytes`,
+/// 64 MiB by default; 400,000 events are 82 MB): that prefetch is bounded but
+/// fills up to the backlog's size, so a smaller backlog (100,000 events,
+/// 21 MB) starts lower for reasons that have nothing to do with the queue.
+/// Comparing 100,000 with 400,000 failed on a new machine (277 → 353 MiB,
+/// 65 MiB of it already at the first record). The same bench with an
+/// unbounded queue between source and writer (`batch.queue_batches =
+/// 100000`) peaked at 840 MiB at 1M events, so the bound below catches a
+/// backlog held in memory.
 #[test]
 fn memory_does_not_grow_with_the_backlog() {
-    let small = slow_sink_bench(100_000, 20_000);
-    let large = slow_sink_bench(400_000, 20_000);
+    let small = slow_sink_bench(400_000, 20_000);
+    let large = slow_sink_bench(1_200_000, 20_000);
     assert!(
         large["backpressure_s"] > 0.0,
         "the sink was not the bottleneck: {large:?}"
@@ -493,7 +500,7 @@ fn memory_does_not_grow_with_the_backlog() {
     let (a, b) = (small["peak_rss_mib"], large["peak_rss_mib"]);
     assert!(
         b <= a * 1.25,
-        "peak RSS grew with the backlog: {a} MiB for 100,000 events, {b} MiB for 400,000"
+        "peak RSS grew with the backlog: {a} MiB for 400,000 events, {b} MiB for 1,200,000"
     );
 }
 
@@ -960,5 +967,103 @@ fn wait_until(uri: &str, want: i64, timeout: Duration) {
             "{n} of {want} rows after {timeout:?}"
         );
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Poison pills: a malformed record just under `max_event_bytes` (1 MiB, the
+/// default, above librdkafka's 1,000,000-byte `message.max.bytes`) and an
+/// oversize one are dead-lettered, cut to fit the producer's limit and marked
+/// with their original length; the clicks around them are written and the
+/// pipeline exits 0. Before the cut, the first made `steamrf run` exit 1 with
+/// `MessageSizeTooLarge`, again at every restart.
+#[test]
+fn dead_letters_over_the_producer_limit_are_cut_and_ingest_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-poison");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let click = |n: usize| {
+        line(
+            &topic,
+            &n.to_string(),
+            r#""type":"click","user_id":"alice","item_id":"cd-001""#,
+        )
+    };
+    // Malformed: a click whose item_id is not a string, padded to 1,040,109 bytes.
+    let head = format!(
+        r#"{{"schema_version":1,"event_id":"{topic}-bad","timestamp":1764000500000,"type":"click","user_id":"alice","item_id":7,"pad":""#
+    );
+    let mut malformed = head.clone();
+    malformed.push_str(&"x".repeat(1_040_109 - head.len() - 2));
+    malformed.push_str(r#""}"#);
+    assert_eq!(malformed.len(), 1_040_109);
+    // Oversize: 1.5 MB, over max_event_bytes.
+    let oversize = format!(r#"{{"pad":"{}"}}"#, "y".repeat(1_500_000));
+    let mut text = String::new();
+    for n in 0..50 {
+        text.push_str(&click(n));
+        text.push('\n');
+    }
+    for l in [&malformed, &oversize] {
+        text.push_str(l);
+        text.push('\n');
+    }
+    for n in 50..100 {
+        text.push_str(&click(n));
+        text.push('\n');
+    }
+    std::fs::write(&file, text).unwrap();
+    produce_all(&topic, 1, &file);
+
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let path = cfg.write();
+    let toml = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("max_event_bytes = \"64KiB\"", "max_event_bytes = \"1MiB\"");
+    std::fs::write(&path, toml).unwrap();
+    let p = Pipeline::run_to_idle(&path);
+    assert_eq!(
+        sql_count(&cfg.lancedb_uri(), "SELECT count(*) AS n FROM interactions"),
+        100
+    );
+    let log = p.log_text();
+    assert_eq!(
+        log.matches("A dead letter's payload was cut to fit message.max.bytes.")
+            .count(),
+        2,
+        "{log}"
+    );
+
+    let letters = read_dead_letters(&dlq, 2, Duration::from_secs(30));
+    assert_eq!(
+        letters.len(),
+        2,
+        "exactly the two poison pills are dead-lettered"
+    );
+    assert_eq!(letters[0].headers["steamrf-error-field"], "item_id");
+    for (l, original, kind) in [
+        (&letters[0], malformed.as_bytes(), "invalid_field"),
+        (&letters[1], oversize.as_bytes(), "oversize"),
+    ] {
+        assert_eq!(
+            l.headers.get("steamrf-original-payload-bytes"),
+            Some(&original.len().to_string()),
+            "{:?}",
+            l.headers
+        );
+        assert!(l.payload.len() < 1_000_000 && l.payload.len() > 990_000);
+        assert_eq!(
+            l.payload,
+            &original[..l.payload.len()],
+            "a prefix of the original"
+        );
+        assert_eq!(l.headers["steamrf-error-kind"], kind, "{:?}", l.headers);
     }
 }
