@@ -64,7 +64,73 @@ fn session(cfg: &LanceDbConfig) -> Arc<lance::session::Session> {
 /// # Errors
 /// [`Error::Lance`] on storage errors, [`Error::Config`] on a schema mismatch.
 pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
-    open_or_create_named(db, name.as_str(), name.schema()).await
+    let table = open_or_create_named(db, name.as_str(), name.schema()).await?;
+    ensure_primary_key(&table, name.key()).await?;
+    Ok(table)
+}
+
+/// Lance's field metadata key that declares a column the table's primary key
+/// (`lance_core::datatypes::LANCE_UNENFORCED_PRIMARY_KEY`).
+const PRIMARY_KEY_METADATA: &str = "lance-schema:unenforced-primary-key";
+
+/// Declares `key` the table's (unenforced) primary key, unless it already is;
+/// also upgrades tables created before steamrf declared it.
+///
+/// Without it, LanceDB cannot see that two concurrent `merge_insert`s insert
+/// the same new keys: both find them absent, each commit only adds a
+/// fragment, and both rows stay (lance issue 4585). That race is a batch
+/// replayed by the instance that took over a partition while the one that
+/// lost it still writes it, so exactly-once depends on this declaration: with
+/// it, the later commit conflicts and its retry finds the keys present.
+///
+/// # Errors
+/// [`Error::Lance`] if the schema cannot be read or updated.
+pub async fn ensure_primary_key(table: &Table, key: &str) -> Result<()> {
+    if primary_key_declared(table, key).await? {
+        return Ok(());
+    }
+    match table.set_unenforced_primary_key([key]).await {
+        Ok(()) => {
+            tracing::info!(
+                table = table.name(),
+                key,
+                "Declared the key column the table's primary key."
+            );
+            Ok(())
+        }
+        Err(e) => {
+            // Another instance may have declared it first.
+            table
+                .checkout_latest()
+                .await
+                .map_err(Error::lance(format!("refreshing {}", table.name())))?;
+            if primary_key_declared(table, key).await? {
+                Ok(())
+            } else {
+                Err(Error::lance(format!(
+                    "declaring {key} the primary key of {}",
+                    table.name()
+                ))(e))
+            }
+        }
+    }
+}
+
+/// Whether `key` carries Lance's primary-key field metadata in `table`.
+async fn primary_key_declared(table: &Table, key: &str) -> Result<bool> {
+    let schema = table.schema().await.map_err(Error::lance(format!(
+        "reading the schema of {}",
+        table.name()
+    )))?;
+    // As Lance reads it: a position (`…:position`, what LanceDB writes), or
+    // the older boolean flag.
+    Ok(schema.field_with_name(key).is_ok_and(|f| {
+        let m = f.metadata();
+        m.get(&format!("{PRIMARY_KEY_METADATA}:position"))
+            .is_some_and(|v| v.parse::<u32>().is_ok())
+            || m.get(PRIMARY_KEY_METADATA)
+                .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
+    }))
 }
 
 /// [`open_or_create`] for any table name and schema.
@@ -566,6 +632,70 @@ mod tests {
                 "round {round}: same item_id"
             );
         }
+    }
+
+    /// Tables made before steamrf declared their key are upgraded when opened;
+    /// opening again (or by a second instance) changes nothing.
+    #[tokio::test]
+    async fn opening_declares_the_key_the_primary_key_also_on_old_tables() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = lancedb::connect(dir.path().to_str().unwrap())
+            .execute()
+            .await
+            .unwrap();
+        let name = TableName::Interactions;
+        let old = open_or_create_named(&db, name.as_str(), name.schema())
+            .await
+            .unwrap();
+        assert!(!primary_key_declared(&old, name.key()).await.unwrap());
+        let t = open_or_create(&db, name).await.unwrap();
+        assert!(primary_key_declared(&t, name.key()).await.unwrap());
+        let again = open_or_create(&db, name).await.unwrap();
+        assert!(primary_key_declared(&again, name.key()).await.unwrap());
+        // The stale handle from before the upgrade learns it too.
+        ensure_primary_key(&old, name.key()).await.unwrap();
+    }
+
+    /// Two writers insert the same new keys at the same moment, round after
+    /// round: a batch replayed by the instance that took over a partition
+    /// while the one that lost it still writes it (a broker restart makes
+    /// this happen). Each key must be stored once. LanceDB cannot see such a
+    /// conflict unless the key column is declared the table's (unenforced)
+    /// primary key: both merges find the keys absent, and each commit only
+    /// adds a fragment, so nothing overlaps (lance issue 4585).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_writers_inserting_the_same_new_keys_store_each_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let a = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let b = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let rounds = 30;
+        let mut retries = 0;
+        for round in 0..rounds {
+            let ids: Vec<String> = (0..25).map(|i| click(&format!("r{round}-{i}"))).collect();
+            let batch = batches(&ids).interactions.unwrap();
+            let write = |s: LanceSink, batch: RecordBatch| async move {
+                let mut attempt = 0;
+                while let Err(e) = s.write(TableName::Interactions, &batch).await {
+                    attempt += 1;
+                    assert!(attempt < 5, "a write keeps failing: {e:#}");
+                }
+                attempt
+            };
+            let (ra, rb) = tokio::join!(
+                tokio::spawn(write(a.clone(), batch.clone())),
+                tokio::spawn(write(b.clone(), batch))
+            );
+            retries += ra.unwrap() + rb.unwrap();
+        }
+        let t = a.table(TableName::Interactions);
+        t.checkout_latest().await.unwrap();
+        assert_eq!(
+            t.count_rows(None).await.unwrap(),
+            25 * rounds,
+            "{retries} writes retried"
+        );
+        eprintln!("same new keys from two writers: {retries} writes retried");
     }
 
     /// Two writers (separate connections, as two processes) commit to the

@@ -38,7 +38,7 @@ use steamrf_schemas::tables::{EMBEDDING_DIM, embedding_field};
 
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::sink::open_or_create_named;
+use crate::sink::{ensure_primary_key, open_or_create_named};
 
 /// Attempts at writing one batch's STEAM tables before the pipeline stops.
 const PERSIST_ATTEMPTS: u32 = 8;
@@ -313,13 +313,17 @@ impl SteamStage {
     ) -> Result<Self> {
         let started = Instant::now();
         let open = |t: MemoryTable| open_or_create_named(db, t.as_str(), t.schema());
+        let memories = open(MemoryTable::Memories).await?;
+        ensure_primary_key(&memories, "memory_id").await?;
+        let prototypes = open(MemoryTable::Prototypes).await?;
+        ensure_primary_key(&prototypes, "prototype_id").await?;
         let mut stage = Self {
             state: SteamState::new(params, EMBEDDING_DIM),
             kernel,
             items: HashMap::new(),
-            memories: open(MemoryTable::Memories).await?,
+            memories,
             links: open(MemoryTable::MemoryLinks).await?,
-            prototypes: open(MemoryTable::Prototypes).await?,
+            prototypes,
             embedder,
             llm,
             llm_tokens_seen: (0, 0),

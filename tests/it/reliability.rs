@@ -911,6 +911,12 @@ fn on_s3_two_instances_survive_a_broker_restart_with_exact_counts() {
     for p in [&mut a, &mut b] {
         assert!(p.sigterm().success(), "{}", p.log_text());
     }
+    // Shown only if the test fails (nextest prints a failing test's stderr).
+    eprintln!(
+        "--- instance a:\n{}\n--- instance b:\n{}",
+        a.log_text(),
+        b.log_text()
+    );
     crate::assert_tables(&uri, &exp);
     let letters =
         read_dead_letters_from(&brokers, &dlq, exp.malformed.len(), Duration::from_secs(60));
