@@ -65,7 +65,15 @@ fn session(cfg: &LanceDbConfig) -> Arc<lance::session::Session> {
 /// [`Error::Lance`] on storage errors, [`Error::Config`] on a schema mismatch.
 pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
     let table = open_or_create_named(db, name.as_str(), name.schema()).await?;
-    ensure_primary_key(&table, name.key()).await?;
+    // Only `interactions` (insert if absent) declares its key: Lance 14
+    // rejects the conditional upserts of `items` and `profiles` (newest
+    // wins) on a table with a declared primary key ("Primary key column and
+    // all its ancestors must not be nullable", raised for the merge's outer
+    // join). Those two tables stay exposed to the race below: two instances
+    // inserting the same new item or profile at once can store it twice.
+    if name == TableName::Interactions {
+        ensure_primary_key(&table, name.key()).await?;
+    }
     Ok(table)
 }
 
