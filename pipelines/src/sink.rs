@@ -94,31 +94,35 @@ const PRIMARY_KEY_METADATA: &str = "lance-schema:unenforced-primary-key";
 /// # Errors
 /// [`Error::Lance`] if the schema cannot be read or updated.
 pub async fn ensure_primary_key(table: &Table, key: &str) -> Result<()> {
-    if primary_key_declared(table, key).await? {
-        return Ok(());
-    }
-    match table.set_unenforced_primary_key([key]).await {
-        Ok(()) => {
-            tracing::info!(
-                table = table.name(),
-                key,
-                "Declared the key column the table's primary key."
-            );
-            Ok(())
+    // Another instance may declare it first, or create the table over ours
+    // (an Overwrite, with which this commit is incompatible): refresh, look
+    // again, try again.
+    let mut attempt = 0;
+    loop {
+        if primary_key_declared(table, key).await? {
+            return Ok(());
         }
-        Err(e) => {
-            // Another instance may have declared it first.
-            table
-                .checkout_latest()
-                .await
-                .map_err(Error::lance(format!("refreshing {}", table.name())))?;
-            if primary_key_declared(table, key).await? {
-                Ok(())
-            } else {
-                Err(Error::lance(format!(
+        match table.set_unenforced_primary_key([key]).await {
+            Ok(()) => {
+                tracing::info!(
+                    table = table.name(),
+                    key,
+                    "Declared the key column the table's primary key."
+                );
+                return Ok(());
+            }
+            Err(e) if attempt >= 4 => {
+                return Err(Error::lance(format!(
                     "declaring {key} the primary key of {}",
                     table.name()
-                ))(e))
+                ))(e));
+            }
+            Err(_) => {
+                attempt += 1;
+                table
+                    .checkout_latest()
+                    .await
+                    .map_err(Error::lance(format!("refreshing {}", table.name())))?;
             }
         }
     }
