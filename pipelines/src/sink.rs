@@ -646,6 +646,17 @@ mod tests {
         }
     }
 
+    /// Writes `batch` into `interactions`, retrying failed commits as the
+    /// pipeline's writer does; returns how many were retried.
+    async fn write_retrying(s: &LanceSink, batch: &RecordBatch) -> usize {
+        let mut attempt = 0;
+        while let Err(e) = s.write(TableName::Interactions, batch).await {
+            attempt += 1;
+            assert!(attempt < 5, "a write keeps failing: {e:#}");
+        }
+        attempt
+    }
+
     /// Tables made before steamrf declared their key are upgraded when opened;
     /// opening again (or by a second instance) changes nothing.
     #[tokio::test]
@@ -686,14 +697,8 @@ mod tests {
         for round in 0..rounds {
             let ids: Vec<String> = (0..25).map(|i| click(&format!("r{round}-{i}"))).collect();
             let batch = batches(&ids).interactions.unwrap();
-            let write = |s: LanceSink, batch: RecordBatch| async move {
-                let mut attempt = 0;
-                while let Err(e) = s.write(TableName::Interactions, &batch).await {
-                    attempt += 1;
-                    assert!(attempt < 5, "a write keeps failing: {e:#}");
-                }
-                attempt
-            };
+            let write =
+                |s: LanceSink, batch: RecordBatch| async move { write_retrying(&s, &batch).await };
             let (ra, rb) = tokio::join!(
                 tokio::spawn(write(a.clone(), batch.clone())),
                 tokio::spawn(write(b.clone(), batch))
@@ -725,12 +730,7 @@ mod tests {
             for chunk in (from..from + 1200).collect::<Vec<_>>().chunks(25) {
                 let ids: Vec<String> = chunk.iter().map(|i| click(&format!("e{i}"))).collect();
                 let batch = batches(&ids).interactions.unwrap();
-                let mut attempt = 0;
-                while let Err(e) = s.write(TableName::Interactions, &batch).await {
-                    attempt += 1;
-                    retries += 1;
-                    assert!(attempt < 5, "a write keeps failing: {e:#}");
-                }
+                retries += write_retrying(&s, &batch).await;
             }
             retries
         };

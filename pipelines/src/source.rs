@@ -20,6 +20,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::statistics::Statistics;
 use steamrf_operators::batch::{BatchTracker, FlushReason};
+use steamrf_operators::embed::clip_bytes;
 use steamrf_schemas::{DecodeError, Event, Provenance, TableBatches, TableBuilders, decode};
 use tokio::sync::mpsc;
 
@@ -112,18 +113,6 @@ fn fit_dead_letter<'a>(
         payload_cut_from,
         key_cut_from,
     }
-}
-
-/// `s` cut to at most `max` bytes, on a character boundary.
-fn clip(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 /// One micro-batch on its way to the writer.
@@ -506,8 +495,8 @@ impl SourceLoop {
         let partition = msg.partition().to_string();
         let offset = msg.offset().to_string();
         let reason = err.to_string();
-        let reason = clip(&reason, DEAD_LETTER_HEADER_MAX_BYTES);
-        let field = clip(err.field.as_str(), DEAD_LETTER_HEADER_MAX_BYTES);
+        let reason = clip_bytes(&reason, DEAD_LETTER_HEADER_MAX_BYTES);
+        let field = clip_bytes(err.field.as_str(), DEAD_LETTER_HEADER_MAX_BYTES);
         let header_bytes = [
             (headers::KIND, err.kind.as_str()),
             (headers::FIELD, field),
@@ -706,12 +695,5 @@ mod tests {
         let f = fit_dead_letter(&payload, Some(&key), 10_000, 100);
         assert!(f.payload.is_empty());
         assert_eq!(f.payload_cut_from, Some(600_000));
-    }
-
-    #[test]
-    fn clip_cuts_on_a_character_boundary() {
-        assert_eq!(clip("héllo", 2), "h");
-        assert_eq!(clip("héllo", 3), "hé");
-        assert_eq!(clip("abc", 10), "abc");
     }
 }
