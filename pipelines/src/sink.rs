@@ -77,10 +77,6 @@ pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
     Ok(table)
 }
 
-/// Lance's field metadata key that declares a column the table's primary key
-/// (`lance_core::datatypes::LANCE_UNENFORCED_PRIMARY_KEY`).
-const PRIMARY_KEY_METADATA: &str = "lance-schema:unenforced-primary-key";
-
 /// Declares `key` the table's (unenforced) primary key, unless it already is;
 /// also upgrades tables created before steamrf declared it.
 ///
@@ -128,21 +124,17 @@ pub async fn ensure_primary_key(table: &Table, key: &str) -> Result<()> {
     }
 }
 
-/// Whether `key` carries Lance's primary-key field metadata in `table`.
+/// Whether `key` is (part of) `table`'s declared primary key, as Lance reads
+/// its schema.
 async fn primary_key_declared(table: &Table, key: &str) -> Result<bool> {
-    let schema = table.schema().await.map_err(Error::lance(format!(
-        "reading the schema of {}",
-        table.name()
-    )))?;
-    // As Lance reads it: a position (`…:position`, what LanceDB writes), or
-    // the older boolean flag.
-    Ok(schema.field_with_name(key).is_ok_and(|f| {
-        let m = f.metadata();
-        m.get(&format!("{PRIMARY_KEY_METADATA}:position"))
-            .is_some_and(|v| v.parse::<u32>().is_ok())
-            || m.get(PRIMARY_KEY_METADATA)
-                .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"))
-    }))
+    let context = || format!("reading the schema of {}", table.name());
+    let schema = table.schema().await.map_err(Error::lance(context()))?;
+    let schema = lance::datatypes::Schema::try_from(schema.as_ref())
+        .map_err(|e| Error::lance(context())(e.into()))?;
+    Ok(schema
+        .unenforced_primary_key()
+        .iter()
+        .any(|f| f.name == key))
 }
 
 /// [`open_or_create`] for any table name and schema.

@@ -497,17 +497,15 @@ impl SourceLoop {
         let reason = err.to_string();
         let reason = clip_bytes(&reason, DEAD_LETTER_HEADER_MAX_BYTES);
         let field = clip_bytes(err.field.as_str(), DEAD_LETTER_HEADER_MAX_BYTES);
-        let header_bytes = [
+        let fields = [
             (headers::KIND, err.kind.as_str()),
             (headers::FIELD, field),
             (headers::REASON, reason),
             (headers::TOPIC, msg.topic()),
             (headers::PARTITION, &partition),
             (headers::OFFSET, &offset),
-        ]
-        .iter()
-        .map(|(k, v)| k.len() + v.len())
-        .sum();
+        ];
+        let header_bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
         let max_message_bytes = self
             .config
             .properties
@@ -527,42 +525,19 @@ impl SourceLoop {
         }
         let payload_cut_from = fitted.payload_cut_from.map(|n| n.to_string());
         let key_cut_from = fitted.key_cut_from.map(|n| n.to_string());
-        let mut headers = OwnedHeaders::new()
-            .insert(Header {
-                key: headers::KIND,
-                value: Some(err.kind.as_str()),
-            })
-            .insert(Header {
-                key: headers::FIELD,
-                value: Some(field),
-            })
-            .insert(Header {
-                key: headers::REASON,
-                value: Some(reason),
-            })
-            .insert(Header {
-                key: headers::TOPIC,
-                value: Some(msg.topic()),
-            })
-            .insert(Header {
-                key: headers::PARTITION,
-                value: Some(partition.as_str()),
-            })
-            .insert(Header {
-                key: headers::OFFSET,
-                value: Some(offset.as_str()),
+        let cut = [
+            (headers::ORIGINAL_PAYLOAD_BYTES, payload_cut_from.as_deref()),
+            (headers::ORIGINAL_KEY_BYTES, key_cut_from.as_deref()),
+        ];
+        let headers = fields
+            .into_iter()
+            .chain(cut.into_iter().filter_map(|(k, v)| Some((k, v?))))
+            .fold(OwnedHeaders::new(), |h, (key, value)| {
+                h.insert(Header {
+                    key,
+                    value: Some(value),
+                })
             });
-        for (name, value) in [
-            (headers::ORIGINAL_PAYLOAD_BYTES, &payload_cut_from),
-            (headers::ORIGINAL_KEY_BYTES, &key_cut_from),
-        ] {
-            if let Some(v) = value {
-                headers = headers.insert(Header {
-                    key: name,
-                    value: Some(v.as_str()),
-                });
-            }
-        }
         let mut record = FutureRecord::to(&self.config.dead_letter_topic)
             .payload(fitted.payload)
             .headers(headers);

@@ -1005,20 +1005,12 @@ fn dead_letters_over_the_producer_limit_are_cut_and_ingest_goes_on() {
     assert_eq!(malformed.len(), 1_040_109);
     // Oversize: 1.5 MB, over max_event_bytes.
     let oversize = format!(r#"{{"pad":"{}"}}"#, "y".repeat(1_500_000));
-    let mut text = String::new();
-    for n in 0..50 {
-        text.push_str(&click(n));
-        text.push('\n');
-    }
-    for l in [&malformed, &oversize] {
-        text.push_str(l);
-        text.push('\n');
-    }
-    for n in 50..100 {
-        text.push_str(&click(n));
-        text.push('\n');
-    }
-    std::fs::write(&file, text).unwrap();
+    let lines: Vec<String> = (0..50)
+        .map(click)
+        .chain([malformed.clone(), oversize.clone()])
+        .chain((50..100).map(click))
+        .collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
     produce_all(&topic, 1, &file);
 
     let cfg = PipelineConfig {
