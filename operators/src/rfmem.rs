@@ -465,6 +465,10 @@ pub struct Answer {
     pub probe_time: Duration,
     /// Time in the chosen path.
     pub path_time: Duration,
+    /// Recollection stopped early because the caller's stop check said so
+    /// (a deadline or a client gone): the rows are those found so far,
+    /// topped up from the probe.
+    pub truncated: bool,
 }
 
 /// Checks a query vector: the store's dimension, finite, not all zero.
@@ -483,6 +487,23 @@ pub fn check_query(query: &[f32], dim: usize) -> Result<(), Error> {
 /// # Errors
 /// [`Error::Invalid`] for a bad query or parameters; kernel errors.
 pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<Answer, Error> {
+    retrieve_until(store, query, p, &|| false)
+}
+
+/// [`retrieve`], asking `stop` before each recollection round and each
+/// branch's clustering. Once it says yes, recollection ends with the rows
+/// found so far, topped up from the probe's rows only (no further search),
+/// and [`Answer::truncated`] is set. The probe and familiarity's one search
+/// always run: their cost is one bounded top-k.
+///
+/// # Errors
+/// As [`retrieve`].
+pub fn retrieve_until(
+    store: &VectorStore,
+    query: &[f32],
+    p: &RfMemParams,
+    stop: &dyn Fn() -> bool,
+) -> Result<Answer, Error> {
     p.validate()?;
     check_query(query, store.dim())?;
     let mut q0 = query.to_vec();
@@ -508,7 +529,7 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
     let probe_time = started.elapsed();
     let started = Instant::now();
     let mut candidates = probe_hits.len();
-    let (hits, rounds) = match path {
+    let (hits, rounds, truncated) = match path {
         Path::Familiarity => {
             let hits = if probe_k >= p.k {
                 probe_hits
@@ -529,10 +550,11 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
                     round: 0,
                 })
                 .collect();
-            (hits, 0)
+            (hits, 0, false)
         }
-        Path::Recollection => recollect(store, &q0, &probe_hits, p, &mut candidates)?,
+        Path::Recollection => recollect(store, &q0, &probe_hits, p, &mut candidates, stop)?,
     };
+
     let mut hits = hits;
     let mut filled = 0;
     if path == Path::Recollection && p.fill && hits.len() < p.k && hits.len() < store.len() {
@@ -555,7 +577,7 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
             }
         };
         top_up(&probe_hits, &mut hits);
-        if hits.len() < p.k && probe_hits.len() == probe_k {
+        if !truncated && hits.len() < p.k && probe_hits.len() == probe_k {
             let want = p.k + probe_k;
             candidates += want;
             top_up(&store.search(&q0, want, p.min_score)?.remove(0), &mut hits);
@@ -574,6 +596,7 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
         filled,
         probe_time,
         path_time: started.elapsed(),
+        truncated,
     })
 }
 
@@ -589,7 +612,8 @@ fn recollect(
     probe: &[Hit],
     p: &RfMemParams,
     candidates: &mut usize,
-) -> Result<(Vec<Found>, u32), Error> {
+    stop: &dyn Fn() -> bool,
+) -> Result<(Vec<Found>, u32, bool), Error> {
     let dim = store.dim();
     let mut seen: HashSet<u32> = HashSet::new();
     let mut out: Vec<Found> = Vec::new();
@@ -599,9 +623,14 @@ fn recollect(
         score_sum: 0.0,
     }];
     let mut rounds = 0;
+    let mut truncated = false;
     for level in 0..p.depth {
         let k = (p.beam + level) * p.fanout;
         if *candidates + k * beam.len() > p.max_candidates.max(k) {
+            break;
+        }
+        if stop() {
+            truncated = true;
             break;
         }
         rounds += 1;
@@ -622,6 +651,11 @@ fn recollect(
         };
         let mut next: Vec<Branch> = Vec::new();
         for (branch, hits) in beam.iter().zip(results) {
+            if !next.is_empty() && stop() {
+                // The branches clustered so far still make this round.
+                truncated = true;
+                break;
+            }
             let cands: Vec<Hit> = hits
                 .into_iter()
                 .filter(|h| !seen.contains(&h.index))
@@ -696,12 +730,12 @@ fn recollect(
             }
         }
         beam = next;
-        if out.len() >= p.k {
+        if out.len() >= p.k || truncated {
             break;
         }
     }
     out.truncate(p.k);
-    Ok((out, rounds))
+    Ok((out, rounds, truncated))
 }
 
 #[cfg(test)]

@@ -101,7 +101,24 @@ pub struct ServeConfig {
     pub tokens_file: String,
     /// Largest request body.
     pub max_request_bytes: ByteSize,
-    /// RF-Mem parameters (each overridable per request in `options`).
+    /// Largest `k` and `options.probe_k` a request may ask for.
+    pub max_k: usize,
+    /// Retrieval work per request; recollection answers what it has at expiry.
+    #[serde(with = "humantime_serde_compat")]
+    pub request_timeout: Duration,
+    /// Requests answered at once; more are shed with 503.
+    pub max_in_flight: usize,
+    /// Time a client has to send its request headers.
+    #[serde(with = "humantime_serde_compat")]
+    pub header_timeout: Duration,
+    /// Time a client has to send its request body.
+    #[serde(with = "humantime_serde_compat")]
+    pub body_timeout: Duration,
+    /// `/readyz` fails once no refresh has succeeded for this long.
+    #[serde(with = "humantime_serde_compat")]
+    pub max_staleness: Duration,
+    /// RF-Mem parameters (each overridable per request in `options`, up to
+    /// the configured values of the cost keys).
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
 }
 
@@ -893,6 +910,37 @@ impl Config {
         }
         if v.search_threads == 0 || v.ivf_probes == 0 {
             p.push("serve.search_threads and serve.ivf_probes: must be > 0".to_owned());
+        }
+        if !(1..=steamrf_operators::rfmem::MAX_K).contains(&v.max_k) {
+            p.push(format!(
+                "serve.max_k: must be in [1, {}], got {}",
+                steamrf_operators::rfmem::MAX_K,
+                v.max_k
+            ));
+        } else if v.rfmem.k > v.max_k || v.rfmem.probe_k > v.max_k {
+            p.push(format!(
+                "serve.rfmem.k and serve.rfmem.probe_k: must not exceed serve.max_k ({})",
+                v.max_k
+            ));
+        }
+        if v.max_in_flight == 0 {
+            p.push("serve.max_in_flight: must be > 0".to_owned());
+        }
+        for (name, d) in [
+            ("request_timeout", v.request_timeout),
+            ("header_timeout", v.header_timeout),
+            ("body_timeout", v.body_timeout),
+        ] {
+            if d.is_zero() {
+                p.push(format!("serve.{name}: must be > 0"));
+            }
+        }
+        if v.max_staleness < v.refresh_interval * 2 {
+            p.push(format!(
+                "serve.max_staleness: must be at least two refresh intervals ({:?}), got {:?}",
+                v.refresh_interval * 2,
+                v.max_staleness
+            ));
         }
         if self.steam.communities == CommunitiesMode::Topic {
             if !valid_topic(&self.steam.changes_topic) {

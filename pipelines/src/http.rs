@@ -45,7 +45,8 @@ pub fn router(metrics: Metrics, ready: Arc<AtomicBool>) -> Router {
         )
 }
 
-/// Serves the router until the task is aborted.
+/// Serves the router until the task is aborted, closing connections that
+/// do not send their headers within 5 s (as `steamrf serve` does).
 ///
 /// # Errors
 /// An I/O error from the listener.
@@ -54,5 +55,11 @@ pub async fn serve(
     metrics: Metrics,
     ready: Arc<AtomicBool>,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics, ready)).await
+    crate::serve::serve_connections(
+        listener,
+        router(metrics, ready),
+        std::time::Duration::from_secs(5),
+        std::future::pending(),
+    )
+    .await
 }

@@ -173,6 +173,49 @@ fn recollection_respects_the_candidate_budget_and_depth() {
 }
 
 #[test]
+fn a_stop_check_ends_recollection_with_what_it_has() {
+    use std::cell::Cell;
+    let (store, rows) = random_store(400, 16, 11, 1);
+    let q = &rows[..16];
+    let p = RfMemParams {
+        mode: Mode::Recollection,
+        k: 200,
+        max_candidates: 10_000,
+        ..params()
+    };
+    let full = retrieve(&store, q, &p).unwrap();
+    assert!(!full.truncated && full.rounds > 3, "{}", full.rounds);
+    // Stop after the checks of two rounds: the third round never runs.
+    let asked = Cell::new(0);
+    let stop = || {
+        asked.set(asked.get() + 1);
+        asked.get() > 2
+    };
+    let ab = RfMemParams { beam: 1, ..p };
+    let one_branch = retrieve(&store, q, &ab).unwrap();
+    let a = retrieve_until(&store, q, &ab, &stop).unwrap();
+    assert!(a.truncated);
+    assert_eq!(a.rounds, 2);
+    assert!(a.hits.iter().all(|h| h.round < 2));
+    // The rows found are the full run's prefix; the top-up comes only
+    // from the probe (none here: forced recollection probes nothing).
+    assert_eq!(&a.hits[..], &one_branch.hits[..a.hits.len()]);
+    assert!(a.candidates < one_branch.candidates);
+    // Stopped before anything: the probe's rows answer (adaptive mode).
+    let adaptive = RfMemParams {
+        mode: Mode::Adaptive,
+        theta_low: 0.99,
+        theta_high: 0.99,
+        ..p
+    };
+    let b = retrieve_until(&store, q, &adaptive, &|| true).unwrap();
+    assert_eq!(b.path, Path::Recollection);
+    assert!(b.truncated && b.rounds == 0);
+    assert_eq!(b.hits.len(), adaptive.probe_k);
+    assert_eq!(b.filled, adaptive.probe_k);
+}
+
+#[test]
 fn recollection_reaches_beyond_the_nearest_rows() {
     // Two clusters: A right around the query, B further out. The query's
     // top-4 are all in A; recollection (α-mixing towards B's centroid once a

@@ -67,6 +67,16 @@ impl Auth {
         self.tokens.is_some()
     }
 
+    /// How many tokens there are.
+    pub fn len(&self) -> usize {
+        self.tokens.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Whether there are none (no file, or a file without tokens).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Parses a tokens file's text.
     ///
     /// # Errors

@@ -4,8 +4,8 @@ use std::time::Instant;
 
 use axum::http::StatusCode;
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Registry,
-    exponential_buckets,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Registry, exponential_buckets,
 };
 use steamrf_operators::rfmem::{Answer, Path, Rule};
 
@@ -43,6 +43,12 @@ pub struct ServeMetrics {
     pub rows: IntGauge,
     /// Users in the served snapshot.
     pub users: IntGauge,
+    /// Requests refused because `max_in_flight` were being answered.
+    pub shed: IntCounter,
+    /// Retrievals cut short, by reason (deadline, client_gone).
+    pub cut: IntCounterVec,
+    /// Tokens file reloads, by result (ok, error).
+    pub token_reloads: IntCounterVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -141,9 +147,33 @@ impl ServeMetrics {
         )
         .expect("valid metric");
         r.register(Box::new(users.clone())).expect("unique metric");
+        let shed = IntCounter::new(
+            "steamrf_serve_shed_total",
+            "Requests refused with 503 because serve.max_in_flight requests were being answered.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(shed.clone())).expect("unique metric");
+        let cut = counter(
+            &r,
+            "steamrf_retrieve_cut_total",
+            "Retrievals whose recollection stopped early, by reason (deadline: serve.request_timeout; client_gone: the connection closed).",
+            &["reason"],
+        );
+        let token_reloads = counter(
+            &r,
+            "steamrf_serve_token_reloads_total",
+            "Reloads of a changed tokens file, by result (ok; error: unreadable or unparsable, the previous tokens kept).",
+            &["result"],
+        );
+        for reason in ["deadline", "client_gone"] {
+            cut.with_label_values(&[reason]);
+        }
+        for result in ["ok", "error"] {
+            token_reloads.with_label_values(&[result]);
+        }
         for route in ROUTES {
             request_duration.with_label_values(&[route]);
-            for status in ["200", "400", "401", "403"] {
+            for status in ["200", "400", "401", "403", "503"] {
                 requests.with_label_values(&[route, status]);
             }
         }
@@ -179,6 +209,9 @@ impl ServeMetrics {
             table_version,
             rows,
             users,
+            shed,
+            cut,
+            token_reloads,
         }
     }
 

@@ -18,14 +18,14 @@ mod metrics;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Serialize;
@@ -39,6 +39,7 @@ pub use steamrf_schemas::api::{
     MAX_CANDIDATES, MAX_QUERY_BYTES, RecommendRequest, RetrieveRequest,
 };
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use self::auth::{Auth, Scope};
 use self::cache::{Snapshot, Tables};
@@ -56,8 +57,17 @@ pub struct AppState {
     cfg: ServeConfig,
     separator: Option<char>,
     embedder: Option<Arc<dyn Embedder>>,
-    auth: Auth,
+    auth: RwLock<Arc<Auth>>,
     metrics: ServeMetrics,
+    /// Permits for requests being answered (`serve.max_in_flight`).
+    in_flight: Arc<Semaphore>,
+    /// When this state was made; `last_refresh_ms` counts from it.
+    born: Instant,
+    /// Milliseconds after `born` of the last successful refresh.
+    last_refresh_ms: AtomicU64,
+    /// Request ids: a per-process prefix and a counter.
+    id_prefix: u32,
+    next_id: AtomicU64,
 }
 
 impl std::fmt::Debug for AppState {
@@ -82,12 +92,86 @@ impl AppState {
         Self {
             snapshot: RwLock::new(Arc::new(snapshot)),
             ready: AtomicBool::new(false),
+            in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg,
             separator,
             embedder,
-            auth,
+            auth: RwLock::new(Arc::new(auth)),
             metrics,
+            born: Instant::now(),
+            last_refresh_ms: AtomicU64::new(0),
+            id_prefix: rand::random(),
+            next_id: AtomicU64::new(0),
         }
+    }
+
+    /// The tokens in force.
+    pub fn auth(&self) -> Arc<Auth> {
+        self.auth
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the tokens (a reloaded tokens file).
+    pub fn set_auth(&self, auth: Auth) {
+        *self
+            .auth
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(auth);
+    }
+
+    /// Records a successful refresh: the snapshot is current as of now.
+    pub fn refreshed(&self) {
+        let ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_refresh_ms.store(ms, Ordering::Release);
+    }
+
+    /// Time since the last successful refresh.
+    pub fn staleness(&self) -> Duration {
+        let last = Duration::from_millis(self.last_refresh_ms.load(Ordering::Acquire));
+        self.born.elapsed().saturating_sub(last)
+    }
+
+    /// Whether `/readyz` says yes: a snapshot is loaded and a refresh has
+    /// succeeded within `serve.max_staleness`.
+    pub fn is_ready(&self) -> Result<(), String> {
+        if !self.ready.load(Ordering::Acquire) {
+            return Err("loading".into());
+        }
+        let stale = self.staleness();
+        if stale > self.cfg.max_staleness {
+            return Err(format!(
+                "stale: no successful refresh of the tables for {:.1}s (serve.max_staleness {:?})",
+                stale.as_secs_f64(),
+                self.cfg.max_staleness
+            ));
+        }
+        Ok(())
+    }
+
+    fn request_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{:08x}-{n:x}", self.id_prefix)
+    }
+
+    /// A permit to do a request's work, or a 503 when `max_in_flight`
+    /// requests are already being answered (load shedding: the client is
+    /// told to come back rather than queued behind work it cannot see).
+    fn admit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        self.in_flight.clone().try_acquire_owned().map_err(|_| {
+            self.metrics.shed.inc();
+            ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                code: "overloaded",
+                field: None,
+                message: format!(
+                    "{} requests are being answered (serve.max_in_flight); retry shortly",
+                    self.cfg.max_in_flight
+                ),
+                request_id: None,
+            }
+        })
     }
 
     /// The current snapshot.
@@ -98,8 +182,9 @@ impl AppState {
             .clone()
     }
 
-    /// Swaps in a new snapshot and marks the service ready.
+    /// Swaps in a new snapshot and marks the service ready (and fresh).
     pub fn publish(&self, s: Snapshot) {
+        self.refreshed();
         self.metrics.observe_snapshot(&s);
         *self
             .snapshot
@@ -114,13 +199,19 @@ impl AppState {
 pub struct ApiError {
     #[serde(skip)]
     status: StatusCode,
-    /// `invalid_request`, `unauthenticated`, `forbidden`, `payload_too_large`, `internal`.
+    /// `invalid_request`, `unauthenticated`, `forbidden`, `payload_too_large`,
+    /// `request_timeout`, `overloaded`, `internal`, `not_found`.
     pub code: &'static str,
     /// The field at fault (`user_id`, `options.alpha`, `candidates[3]`), if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
-    /// What is wrong.
+    /// What is wrong. For `internal` only a pointer to the server log: the
+    /// cause (an upstream URL or body, a panic) stays there.
     pub message: String,
+    /// The request's id (also the `x-request-id` header), under which the
+    /// server logged the details of an internal error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 impl ApiError {
@@ -130,23 +221,43 @@ impl ApiError {
             code: "invalid_request",
             field: Some(field.into()),
             message: message.into(),
+            request_id: None,
         }
     }
 
+    /// An internal error; `message` is logged, never sent.
     fn internal(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             code: "internal",
             field: None,
             message: message.into(),
+            request_id: None,
         }
+    }
+
+    /// Ties the error to a request: an internal error's cause is logged
+    /// under the id and replaced by a pointer to it.
+    fn for_request(mut self, route: &str, id: &str) -> Self {
+        if self.status.is_server_error() && self.code == "internal" {
+            tracing::error!(request_id = id, route, error = %self.message, "Request failed.");
+            self.message =
+                format!("internal error; the server logged its cause under request id {id}");
+        }
+        self.request_id = Some(id.to_owned());
+        self
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status;
-        json(status, &serde_json::json!({ "error": self }))
+        let mut r = json(status, &serde_json::json!({ "error": self }));
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        r
     }
 }
 
@@ -168,11 +279,12 @@ fn authenticate(st: &AppState, headers: &HeaderMap) -> Result<Scope, ApiError> {
     let h = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    st.auth.scope(h).map_err(|_| ApiError {
+    st.auth().scope(h).map_err(|_| ApiError {
         status: StatusCode::UNAUTHORIZED,
         code: "unauthenticated",
         field: None,
         message: "a valid bearer token is required (Authorization: Bearer <token>)".into(),
+        request_id: None,
     })
 }
 
@@ -187,6 +299,7 @@ fn authorize(st: &AppState, scope: &Scope, user_id: &str) -> Result<(), ApiError
             code: "forbidden",
             field: Some("user_id".into()),
             message: format!("this token may not read tenant {tenant:?}"),
+            request_id: None,
         })
     }
 }
@@ -276,6 +389,9 @@ pub struct Explanation {
     pub corpus_rows: usize,
     /// Whether the corpus is searched approximately (IVF).
     pub approximate: bool,
+    /// Recollection stopped early at `serve.request_timeout`: the rows are
+    /// those found by then, topped up from the probe.
+    pub truncated: bool,
     /// The table versions read.
     pub table_versions: BTreeMap<&'static str, u64>,
     /// Per-stage latency.
@@ -323,6 +439,7 @@ fn params_for(cfg: &ServeConfig, req: &RetrieveRequest) -> Result<RfMemParams, A
     if let Some(k) = req.k {
         p.k = k;
     }
+    check_bounds(cfg, &p, req.k.is_some())?;
     p.validate().map_err(|e| match e {
         rfmem::Error::Invalid { field, reason } => {
             let field = if field == "options.k" && req.k.is_some() {
@@ -335,6 +452,40 @@ fn params_for(cfg: &ServeConfig, req: &RetrieveRequest) -> Result<RfMemParams, A
         other => ApiError::internal(other.to_string()),
     })?;
     Ok(p)
+}
+
+/// The work a request may ask for: the configured cost keys are ceilings,
+/// and `k` and `probe_k` stop at `serve.max_k`.
+fn check_bounds(cfg: &ServeConfig, p: &RfMemParams, k_at_top: bool) -> Result<(), ApiError> {
+    let c = &cfg.rfmem;
+    let k_field = if k_at_top { "k" } else { "options.k" };
+    for (field, asked, limit, what) in [
+        ("options.beam", p.beam, c.beam, "[serve.rfmem] beam"),
+        ("options.fanout", p.fanout, c.fanout, "[serve.rfmem] fanout"),
+        ("options.depth", p.depth, c.depth, "[serve.rfmem] depth"),
+        (
+            "options.max_candidates",
+            p.max_candidates,
+            c.max_candidates,
+            "[serve.rfmem] max_candidates",
+        ),
+        (
+            "options.kmeans_iters",
+            p.kmeans_iters,
+            c.kmeans_iters,
+            "[serve.rfmem] kmeans_iters",
+        ),
+        (k_field, p.k, cfg.max_k, "serve.max_k"),
+        ("options.probe_k", p.probe_k, cfg.max_k, "serve.max_k"),
+    ] {
+        if asked > limit {
+            return Err(ApiError::invalid(
+                field,
+                format!("{asked} is over this server's limit of {limit} ({what})"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 async fn query_vector(
@@ -367,34 +518,127 @@ async fn query_vector(
     }
 }
 
-async fn retrieve(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let started = Instant::now();
-    let result = retrieve_inner(&st, &headers, &body, started).await;
-    st.metrics
-        .finish("retrieve", started, result.as_ref().err().map(|e| e.status));
-    match result {
-        Ok(r) => json(StatusCode::OK, &r),
-        Err(e) => e.into_response(),
+/// What a request may still spend: its deadline (`serve.request_timeout`
+/// from arrival), and whether its client is still waiting.
+#[derive(Debug, Clone)]
+struct Budget {
+    deadline: Instant,
+    gone: Arc<AtomicBool>,
+}
+
+impl Budget {
+    fn exhausted(&self) -> bool {
+        self.gone.load(Ordering::Relaxed) || Instant::now() >= self.deadline
     }
+}
+
+/// Sets its flag when dropped: hyper drops a request's future when its
+/// connection closes, and the blocking retrieval sees the flag between rounds.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Reads a request body within `serve.body_timeout` and `max_request_bytes`.
+async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    use http_body_util::BodyExt;
+    let limit = st.cfg.max_request_bytes.0;
+    let too_large = || ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        code: "payload_too_large",
+        field: None,
+        message: format!("the request body is over serve.max_request_bytes ({limit} bytes)"),
+        request_id: None,
+    };
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        return Err(too_large());
+    }
+    let limited = http_body_util::Limited::new(body, limit);
+    match tokio::time::timeout(st.cfg.body_timeout, limited.collect()).await {
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: "request_timeout",
+            field: None,
+            message: format!(
+                "the request body did not arrive within serve.body_timeout ({:?})",
+                st.cfg.body_timeout
+            ),
+            request_id: None,
+        }),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large())
+        }
+        Ok(Err(e)) => Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            code: "invalid_request",
+            field: None,
+            message: format!("reading the request body: {e}"),
+            request_id: None,
+        }),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+/// Counts a finished request and turns its result into the response, with
+/// its `x-request-id`.
+fn respond<T: Serialize>(
+    st: &AppState,
+    route: &str,
+    id: &str,
+    started: Instant,
+    result: Result<T, ApiError>,
+) -> Response {
+    st.metrics
+        .finish(route, started, result.as_ref().err().map(|e| e.status));
+    let mut r = match result {
+        Ok(v) => json(StatusCode::OK, &v),
+        Err(e) => e.for_request(route, id).into_response(),
+    };
+    if let Ok(v) = HeaderValue::from_str(id) {
+        r.headers_mut().insert("x-request-id", v);
+    }
+    r
+}
+
+async fn retrieve(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let started = Instant::now();
+    let id = st.request_id();
+    let result = retrieve_inner(&st, req, started).await;
+    respond(&st, "retrieve", &id, started, result)
 }
 
 async fn retrieve_inner(
     st: &Arc<AppState>,
-    headers: &HeaderMap,
-    body: &[u8],
+    req: Request,
     started: Instant,
 ) -> Result<RetrieveResponse, ApiError> {
-    let scope = authenticate(st, headers)?;
-    let mut req: RetrieveRequest = api::parse(body)?;
+    let (parts, body) = req.into_parts();
+    let scope = authenticate(st, &parts.headers)?;
+    let body = read_body(st, body).await?;
+    let mut req: RetrieveRequest = api::parse(&body)?;
     req.check(steamrf_schemas::tables::EMBEDDING_DIM)?;
     authorize(st, &scope, &req.user_id)?;
     let p = params_for(&st.cfg, &req)?;
+    let permit = st.admit()?;
+    let gone = Arc::new(AtomicBool::new(false));
+    let _gone_on_drop = SetOnDrop(gone.clone());
+    let budget = Budget {
+        deadline: started + st.cfg.request_timeout,
+        gone,
+    };
     let (q, embed_time) = query_vector(st, &mut req).await?;
     let collaborative = req.collaborative.unwrap_or(st.cfg.collaborative);
     let snap = st.snapshot();
     let st2 = st.clone();
     let user_id = req.user_id;
     tokio::task::spawn_blocking(move || {
+        let _permit = permit;
         answer(
             &st2,
             &snap,
@@ -404,6 +648,7 @@ async fn retrieve_inner(
             collaborative,
             embed_time,
             started,
+            &budget,
         )
     })
     .await
@@ -420,6 +665,7 @@ fn answer(
     collaborative: bool,
     embed_time: Duration,
     started: Instant,
+    budget: &Budget,
 ) -> Result<RetrieveResponse, ApiError> {
     let empty;
     let corpus = match snap.users.get(&user_id) {
@@ -432,11 +678,19 @@ fn answer(
             &empty
         }
     };
-    let a = rfmem::retrieve(corpus, q, p).map_err(|e| match e {
+    let a = rfmem::retrieve_until(corpus, q, p, &|| budget.exhausted()).map_err(|e| match e {
         rfmem::Error::Invalid { field, reason } => ApiError::invalid(field, reason),
         other => ApiError::internal(other.to_string()),
     })?;
     st.metrics.observe_answer(&a);
+    if a.truncated {
+        let reason = if budget.gone.load(Ordering::Relaxed) {
+            "client_gone"
+        } else {
+            "deadline"
+        };
+        st.metrics.cut.with_label_values(&[reason]).inc();
+    }
     let entries = snap.users.get(&user_id).map(|c| &c.entries);
     let items = a
         .hits
@@ -476,6 +730,7 @@ fn answer(
             filled: a.filled,
             corpus_rows: corpus.len(),
             approximate: corpus.is_approximate(),
+            truncated: a.truncated,
             table_versions: snap.versions.clone(),
             latency: Latency {
                 embed_ms: ms(embed_time),
@@ -563,30 +818,33 @@ pub struct RecommendResponse {
     pub ranked: Vec<RankedItem>,
 }
 
-async fn recommend(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn recommend(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let started = Instant::now();
-    let result = recommend_inner(&st, &headers, &body);
-    st.metrics.finish(
-        "recommend",
-        started,
-        result.as_ref().err().map(|e| e.status),
-    );
-    match result {
-        Ok(r) => json(StatusCode::OK, &r),
-        Err(e) => e.into_response(),
-    }
+    let id = st.request_id();
+    let result = recommend_inner(&st, req).await;
+    respond(&st, "recommend", &id, started, result)
 }
 
-fn recommend_inner(
-    st: &AppState,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<RecommendResponse, ApiError> {
-    let scope = authenticate(st, headers)?;
-    let req: RecommendRequest = api::parse(body)?;
+async fn recommend_inner(st: &Arc<AppState>, req: Request) -> Result<RecommendResponse, ApiError> {
+    let (parts, body) = req.into_parts();
+    let scope = authenticate(st, &parts.headers)?;
+    let body = read_body(st, body).await?;
+    let req: RecommendRequest = api::parse(&body)?;
     req.check()?;
     authorize(st, &scope, &req.user_id)?;
+    let permit = st.admit()?;
     let snap = st.snapshot();
+    let st2 = st.clone();
+    // Up to MAX_CANDIDATES retrievals: off the async workers.
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        rank(&st2, &snap, req)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("ranking panicked: {e}")))
+}
+
+fn rank(st: &AppState, snap: &Snapshot, req: RecommendRequest) -> RecommendResponse {
     let mut known = Vec::new();
     let mut unknown = Vec::new();
     for c in &req.candidates {
@@ -638,15 +896,14 @@ fn recommend_inner(
     if let Some(k) = req.k {
         ranked.truncate(k);
     }
-    Ok(RecommendResponse {
+    RecommendResponse {
         user_id: req.user_id,
         ranked,
-    })
+    }
 }
 
 /// The router.
 pub fn router(st: Arc<AppState>) -> Router {
-    let limit = st.cfg.max_request_bytes.0;
     Router::new()
         .route("/v1/retrieve", post(retrieve))
         .route("/v1/recommend", post(recommend))
@@ -670,10 +927,11 @@ pub fn router(st: Arc<AppState>) -> Router {
         .route(
             "/readyz",
             get(|State(st): State<Arc<AppState>>| async move {
-                if st.ready.load(Ordering::Acquire) {
-                    (StatusCode::OK, "ready\n").into_response()
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "loading\n").into_response()
+                match st.is_ready() {
+                    Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+                    Err(why) => {
+                        (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+                    }
                 }
             }),
         )
@@ -683,17 +941,85 @@ pub fn router(st: Arc<AppState>) -> Router {
                 code: "not_found",
                 field: None,
                 message: "no such route (see /openapi.json)".into(),
+                request_id: None,
             }
         })
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(st)
 }
 
-/// Checks the tables every `refresh_interval` and publishes new snapshots
-/// until `stop`.
+/// The tokens file, reloaded when its content changes (a rotated
+/// Kubernetes Secret appears in the mounted file within a minute or so).
+#[derive(Debug)]
+struct TokensFile {
+    path: String,
+    last: Vec<u8>,
+    last_error: Option<String>,
+}
+
+impl TokensFile {
+    /// Reads and parses the file once; an empty path means no tokens.
+    fn load(path: &str) -> Result<(Self, Auth)> {
+        let mut f = Self {
+            path: path.to_owned(),
+            last: Vec::new(),
+            last_error: None,
+        };
+        if path.is_empty() {
+            return Ok((f, Auth::open()));
+        }
+        f.last = std::fs::read(path).map_err(|e| Error::Config {
+            problems: vec![format!("serve.tokens_file {path}: {e}")],
+        })?;
+        let auth = Auth::parse(&String::from_utf8_lossy(&f.last))?;
+        Ok((f, auth))
+    }
+
+    /// Swaps in the file's tokens if its content changed and parses; keeps
+    /// the tokens in force otherwise (a half-written or broken file must
+    /// not open the API or lock everyone out).
+    fn poll(&mut self, st: &AppState) {
+        if self.path.is_empty() {
+            return;
+        }
+        let bytes = match std::fs::read(&self.path) {
+            Ok(b) => b,
+            Err(e) => {
+                let e = e.to_string();
+                if self.last_error.as_ref() != Some(&e) {
+                    st.metrics.token_reloads.with_label_values(&["error"]).inc();
+                    tracing::warn!(path = %self.path, error = %e, "Reading the tokens file failed; keeping the tokens in force.");
+                    self.last_error = Some(e);
+                }
+                return;
+            }
+        };
+        if bytes == self.last {
+            return;
+        }
+        match Auth::parse(&String::from_utf8_lossy(&bytes)) {
+            Ok(auth) => {
+                st.metrics.token_reloads.with_label_values(&["ok"]).inc();
+                tracing::info!(path = %self.path, tokens = auth.len(), "Tokens file reloaded.");
+                st.set_auth(auth);
+                self.last_error = None;
+            }
+            Err(e) => {
+                st.metrics.token_reloads.with_label_values(&["error"]).inc();
+                tracing::warn!(path = %self.path, error = %e, "The tokens file changed but does not parse; keeping the tokens in force.");
+                self.last_error = Some(e.to_string());
+            }
+        }
+        self.last = bytes;
+    }
+}
+
+/// Every `refresh_interval` until `stop`: reloads a changed tokens file,
+/// checks the tables and publishes a new snapshot when they changed. A
+/// successful check marks the snapshot current (`/readyz`).
 async fn refresh_loop(
     st: Arc<AppState>,
     mut tables: Tables,
+    mut tokens: TokensFile,
     params: SteamParams,
     stop: Arc<AtomicBool>,
 ) {
@@ -701,16 +1027,18 @@ async fn refresh_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
+        tokens.poll(&st);
         let current = st.snapshot();
         let versions = match tables.versions().await {
             Ok(v) => v,
             Err(e) => {
                 st.metrics.refreshes.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, "Checking table versions failed; serving the previous snapshot.");
+                tracing::warn!(error = %e, stale_s = st.staleness().as_secs_f64(), "Checking table versions failed; serving the previous snapshot.");
                 continue;
             }
         };
         if versions == current.versions && st.ready.load(Ordering::Acquire) {
+            st.refreshed();
             continue;
         }
         match tables.load(&st.cfg, params, versions).await {
@@ -721,10 +1049,63 @@ async fn refresh_loop(
             }
             Err(e) => {
                 st.metrics.refreshes.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, "Loading a snapshot failed; serving the previous one.");
+                tracing::warn!(error = %e, stale_s = st.staleness().as_secs_f64(), "Loading a snapshot failed; serving the previous one.");
             }
         }
     }
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then lets open
+/// requests finish (10 s at most). Unlike `axum::serve`, a client must send
+/// its request headers within `header_timeout` (hyper's header-read timer),
+/// so connections that trickle or never finish their headers are closed.
+///
+/// # Errors
+/// None today: accept errors (out of file descriptors) are logged and
+/// retried after a pause.
+pub async fn serve_connections(
+    listener: TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "Accepting a connection failed; retrying in 100 ms.");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "Setting TCP_NODELAY failed.");
+        }
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::trace!(error = %e, "Connection ended with an error.");
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("Requests still open 10 s after shutdown began; closing them.");
+    }
+    Ok(())
 }
 
 /// Runs the service until `stop` is set.
@@ -741,7 +1122,7 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
             )],
         })?,
     };
-    let auth = Auth::load(&config.serve.tokens_file)?;
+    let (tokens, auth) = TokensFile::load(&config.serve.tokens_file)?;
     if !auth.enabled() {
         tracing::warn!(
             "serve.tokens_file is empty: the API is open to anyone who can reach {addr}."
@@ -766,9 +1147,11 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
     let refresher = tokio::spawn(refresh_loop(
         st.clone(),
         Tables::new(db),
+        tokens,
         params,
         stop.clone(),
     ));
+    let header_timeout = st.cfg.header_timeout;
     let app = router(st);
     let shutdown = {
         let stop = stop.clone();
@@ -778,9 +1161,7 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
             }
         }
     };
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let served = serve_connections(listener, app, header_timeout, shutdown).await;
     refresher.abort();
     served.map_err(|source| Error::Io {
         context: "serving the API".into(),

@@ -110,12 +110,24 @@ fn snapshot() -> Snapshot {
 }
 
 async fn start(auth: Auth, publish: bool) -> (String, Arc<AppState>) {
+    start_with(auth, publish, |_| {}, None).await
+}
+
+/// A service on a free port, served as `steamrf serve` serves it.
+async fn start_with(
+    auth: Auth,
+    publish: bool,
+    tweak: impl FnOnce(&mut ServeConfig),
+    embedder: Option<Arc<dyn Embedder>>,
+) -> (String, Arc<AppState>) {
     let mut cfg = config();
     cfg.max_request_bytes = crate::config::ByteSize(64 * 1024);
+    tweak(&mut cfg);
+    let header_timeout = cfg.header_timeout;
     let st = Arc::new(AppState::new(
         cfg,
         Some(':'),
-        None,
+        embedder,
         auth,
         ServeMetrics::new(),
         Snapshot::empty(SteamParams::default()),
@@ -125,7 +137,12 @@ async fn start(auth: Auth, publish: bool) -> (String, Arc<AppState>) {
     }
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(axum::serve(listener, router(st.clone())).into_future());
+    tokio::spawn(serve_connections(
+        listener,
+        router(st.clone()),
+        header_timeout,
+        std::future::pending(),
+    ));
     (format!("http://{addr}"), st)
 }
 
@@ -562,5 +579,343 @@ async fn readiness_waits_for_the_first_snapshot_and_openapi_is_served() {
 
 #[test]
 fn every_serve_metric_is_documented() {
-    crate::metrics::assert_documented(&ServeMetrics::new().render(), 12);
+    crate::metrics::assert_documented(&ServeMetrics::new().render(), 15);
+}
+
+#[tokio::test]
+async fn options_may_not_ask_for_more_work_than_the_server_allows() {
+    let (base, _) = start(Auth::open(), true).await;
+    let q = qv(&unit(&[(0, 1.0)]));
+    for (options, k, field, limit) in [
+        (json!({"beam": 10_000}), None, "options.beam", "4"),
+        (json!({"fanout": 2}), None, "options.fanout", "1"),
+        (json!({"depth": 11}), None, "options.depth", "10"),
+        (
+            json!({"max_candidates": 10_000}),
+            None,
+            "options.max_candidates",
+            "4096",
+        ),
+        (
+            json!({"kmeans_iters": 1000}),
+            None,
+            "options.kmeans_iters",
+            "50",
+        ),
+        (json!({"probe_k": 5000}), None, "options.probe_k", "1000"),
+        (json!({}), Some(1001), "k", "1000"),
+        (json!({"k": 1001}), None, "options.k", "1000"),
+    ] {
+        let mut body = json!({"user_id": "acme:ann", "query_vector": q, "options": options});
+        if let Some(k) = k {
+            body["k"] = json!(k);
+        }
+        let (status, v) = post(&base, "/v1/retrieve", None, &body.to_string()).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["field"], field, "{body}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&format!("limit of {limit}")), "{message}");
+    }
+    // Less work than configured is fine.
+    let (status, v) = post(
+        &base,
+        "/v1/retrieve",
+        None,
+        &json!({"user_id": "acme:ann", "query_vector": q,
+                "options": {"beam": 2, "depth": 3, "mode": "recollection"}})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+}
+
+#[tokio::test]
+async fn recollection_stops_at_the_request_deadline_with_what_it_has() {
+    let (base, st) = start_with(
+        Auth::open(),
+        true,
+        |c| c.request_timeout = Duration::from_nanos(1),
+        None,
+    )
+    .await;
+    let body = json!({"user_id": "acme:ann", "query_vector": qv(&unit(&[(0, 1.0)])),
+                      "options": {"mode": "recollection"}});
+    let (status, v) = post(&base, "/v1/retrieve", None, &body.to_string()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["explanation"]["truncated"], true, "{v}");
+    assert_eq!(v["explanation"]["rounds"], 0, "{v}");
+    assert!(
+        st.metrics
+            .render()
+            .contains("steamrf_retrieve_cut_total{reason=\"deadline\"} 1")
+    );
+    // Within the deadline nothing is cut.
+    let (base, _) = start(Auth::open(), true).await;
+    let (status, v) = post(&base, "/v1/retrieve", None, &body.to_string()).await;
+    assert_eq!(
+        (status, &v["explanation"]["truncated"]),
+        (200, &json!(false))
+    );
+}
+
+/// An embedder that takes 500 ms and counts the embeddings it finished.
+struct SlowEmbedder(steamrf_operators::embed::EmbedStats, Arc<AtomicU64>);
+
+impl Embedder for SlowEmbedder {
+    fn dim(&self) -> usize {
+        EMBEDDING_DIM
+    }
+    fn model_id(&self) -> &str {
+        "slow"
+    }
+    fn embed(
+        &self,
+        texts: Vec<String>,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<steamrf_operators::embed::Embeddings, steamrf_operators::embed::EmbedError>,
+    > {
+        let done = self.1.clone();
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok(steamrf_operators::embed::Embeddings {
+                dim: EMBEDDING_DIM,
+                vectors: texts.iter().flat_map(|_| unit(&[(0, 1.0)])).collect(),
+                ..Default::default()
+            })
+        })
+    }
+    fn stats(&self) -> &steamrf_operators::embed::EmbedStats {
+        &self.0
+    }
+}
+
+#[tokio::test]
+async fn work_stops_when_the_client_goes_away() {
+    let done = Arc::new(AtomicU64::new(0));
+    let (base, st) = start_with(
+        Auth::open(),
+        true,
+        |c| c.max_in_flight = 1,
+        Some(Arc::new(SlowEmbedder(Default::default(), done.clone()))),
+    )
+    .await;
+    let body = json!({"user_id": "acme:ann", "query": "jazz"}).to_string();
+    // The client gives up after 100 ms and closes the connection.
+    let gave_up = reqwest::Client::new()
+        .post(format!("{base}/v1/retrieve"))
+        .body(body.clone())
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(gave_up.is_err());
+    // Its request's work was dropped: the embedding never finished and the
+    // one permit is free at once, not after the 500 ms it would have taken.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(st.in_flight.available_permits(), 1);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(done.load(Ordering::SeqCst), 0);
+    // A patient client is answered.
+    assert_eq!(post(&base, "/v1/retrieve", None, &body).await.0, 200);
+    assert_eq!(done.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn overload_is_shed_with_503_and_retry_after() {
+    let (base, st) = start_with(Auth::open(), true, |c| c.max_in_flight = 2, None).await;
+    let held = st.in_flight.clone().acquire_many_owned(2).await.unwrap();
+    let body = json!({"user_id": "acme:ann", "query_vector": qv(&unit(&[(0, 1.0)]))}).to_string();
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/retrieve"))
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert!(resp.headers().contains_key("x-request-id"));
+    let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], "overloaded", "{v}");
+    // Bad requests are still told what is wrong, and health answers.
+    assert_eq!(post(&base, "/v1/retrieve", None, "{").await.0, 400);
+    assert_eq!(
+        reqwest::get(format!("{base}/readyz"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    drop(held);
+    assert_eq!(post(&base, "/v1/retrieve", None, &body).await.0, 200);
+    let m = st.metrics.render();
+    assert!(m.contains("steamrf_serve_shed_total 1"), "{m}");
+}
+
+/// An embedder whose failure names its endpoint, as the remote one does.
+struct LeakyEmbedder(steamrf_operators::embed::EmbedStats);
+
+impl Embedder for LeakyEmbedder {
+    fn dim(&self) -> usize {
+        EMBEDDING_DIM
+    }
+    fn model_id(&self) -> &str {
+        "leaky"
+    }
+    fn embed(
+        &self,
+        _: Vec<String>,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<steamrf_operators::embed::Embeddings, steamrf_operators::embed::EmbedError>,
+    > {
+        Box::pin(async {
+            Err(steamrf_operators::embed::EmbedError::Remote {
+                url: "http://embedder.internal:8080/v1/embeddings".into(),
+                reason: "HTTP 500: upstream secret body".into(),
+                retryable: true,
+            })
+        })
+    }
+    fn stats(&self) -> &steamrf_operators::embed::EmbedStats {
+        &self.0
+    }
+}
+
+#[tokio::test]
+async fn internal_errors_carry_only_a_request_id() {
+    let (base, _) = start_with(
+        Auth::open(),
+        true,
+        |_| {},
+        Some(Arc::new(LeakyEmbedder(Default::default()))),
+    )
+    .await;
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/retrieve"))
+        .body(json!({"user_id": "acme:ann", "query": "jazz"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 500);
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let text = resp.text().await.unwrap();
+    for secret in ["embedder.internal", "8080", "secret", "HTTP 500"] {
+        assert!(!text.contains(secret), "{text}");
+    }
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "internal");
+    assert_eq!(v["error"]["request_id"], id.as_str());
+    assert!(v["error"]["message"].as_str().unwrap().contains(&id));
+}
+
+#[tokio::test]
+async fn readiness_fails_when_refreshes_keep_failing() {
+    let (base, st) = start_with(
+        Auth::open(),
+        true,
+        |c| c.max_staleness = Duration::from_millis(300),
+        None,
+    )
+    .await;
+    let readyz = || async {
+        let r = reqwest::get(format!("{base}/readyz")).await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    assert_eq!(readyz().await.0, 200);
+    // No refresh succeeds (nothing calls refreshed()): stale after 300 ms.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (status, why) = readyz().await;
+    assert_eq!(status, 503);
+    assert!(why.starts_with("stale: no successful refresh"), "{why}");
+    // The snapshot is still served meanwhile; one good refresh makes it ready.
+    let body = json!({"user_id": "acme:ann", "query_vector": qv(&unit(&[(0, 1.0)]))}).to_string();
+    assert_eq!(post(&base, "/v1/retrieve", None, &body).await.0, 200);
+    st.refreshed();
+    assert_eq!(readyz().await.0, 200);
+}
+
+#[tokio::test]
+async fn a_rotated_tokens_file_is_reloaded_and_a_broken_one_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokens");
+    std::fs::write(&path, "old-token-0123456789 acme\n").unwrap();
+    let (mut file, auth) = TokensFile::load(path.to_str().unwrap()).unwrap();
+    let (base, st) = start(auth, true).await;
+    let body = json!({"user_id": "acme:ann", "query_vector": qv(&unit(&[(0, 1.0)]))}).to_string();
+    let call = |t: &'static str| {
+        let (base, body) = (base.clone(), body.clone());
+        async move { post(&base, "/v1/retrieve", Some(t), &body).await.0 }
+    };
+    assert_eq!(call("old-token-0123456789").await, 200);
+    // Rotation: the new token works and the old one stops, without a restart.
+    std::fs::write(&path, "new-token-0123456789 acme\n").unwrap();
+    file.poll(&st);
+    assert_eq!(call("new-token-0123456789").await, 200);
+    assert_eq!(call("old-token-0123456789").await, 401);
+    // A broken file (short token) keeps the tokens in force.
+    std::fs::write(&path, "short acme\n").unwrap();
+    file.poll(&st);
+    assert_eq!(call("new-token-0123456789").await, 200);
+    // So does a missing one.
+    std::fs::remove_file(&path).unwrap();
+    file.poll(&st);
+    assert_eq!(call("new-token-0123456789").await, 200);
+    let m = st.metrics.render();
+    assert!(
+        m.contains("steamrf_serve_token_reloads_total{result=\"ok\"} 1")
+            && m.contains("steamrf_serve_token_reloads_total{result=\"error\"} 2"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn slow_clients_are_cut_off_and_do_not_starve_others() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (base, _) = start_with(
+        Auth::open(),
+        true,
+        |c| {
+            c.header_timeout = Duration::from_millis(500);
+            c.body_timeout = Duration::from_millis(500);
+        },
+        None,
+    )
+    .await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    // 200 connections that start their headers and never finish them.
+    let mut slow = Vec::new();
+    for _ in 0..200 {
+        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        c.write_all(b"POST /v1/retrieve HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        slow.push(c);
+    }
+    // A normal client is answered meanwhile, within a second.
+    let body = json!({"user_id": "acme:ann", "query_vector": qv(&unit(&[(0, 1.0)]))}).to_string();
+    let t = Instant::now();
+    assert_eq!(post(&base, "/v1/retrieve", None, &body).await.0, 200);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // The server closes every slow connection at the header timeout.
+    for mut c in slow {
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "a slow connection was left open");
+    }
+    // A body that never arrives gets a 408.
+    let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    c.write_all(
+        b"POST /v1/retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"user",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    assert!(head.contains("request_timeout"), "{head}");
 }
