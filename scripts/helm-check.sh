@@ -37,7 +37,12 @@ PY
   "$steamrf" validate "$work/$name.toml" >/dev/null
 }
 
-check default
+# The defaults refuse an open API; with a token they render.
+if "$helm" template t "$chart" >/dev/null 2>"$work/err.txt"; then
+  echo "helm-check: the defaults rendered an API without tokens"; exit 1
+fi
+grep -q 'serve.allowAnonymous: true to mean it' "$work/err.txt"
+check default --set secrets.tokens="ops-token-0123456789abcdef *"
 for f in "$chart"/ci/*-values.yaml; do
   name=$(basename "$f" -values.yaml)
   if [ "$name" = full ]; then
@@ -52,8 +57,32 @@ done
 "$helm" template t "$chart" -f "$chart/ci/full-values.yaml" | grep -q "kind: ServiceMonitor" \
   && { echo "helm-check: ServiceMonitor rendered without its CRD"; exit 1; }
 # Several pipeline pods with an in-process write path is refused.
-if "$helm" template t "$chart" --set config.steam.communities=in_process >/dev/null 2>"$work/err.txt"; then
+if "$helm" template t "$chart" --set config.steam.communities=in_process --set serve.allowAnonymous=true >/dev/null 2>"$work/err.txt"; then
   echo "helm-check: replicas > 1 with an in-process write path was accepted"; exit 1
 fi
 grep -q 'needs config.steam.communities = "topic"' "$work/err.txt"
+# Safe defaults: no service-account token, RuntimeDefault seccomp, network
+# policies, and no Kafka secret or TLS files in the retrieval pods.
+"$TOOLS/venv/bin/python" - "$work/full.yaml" "$work/default.yaml" <<'PY'
+import sys, yaml
+for path in sys.argv[1:]:
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    policies = {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert policies == {"t-steamrf-pipeline", "t-steamrf-communities", "t-steamrf-serve"}, (path, policies)
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        name = d["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        if name.endswith("-serve"):
+            c = pod["containers"][0]
+            refs = [e["secretRef"]["name"] for e in c["envFrom"]]
+            assert not any("kafka" in r for r in refs), (name, refs)
+            assert all(m["name"] != "kafka-tls" for m in c["volumeMounts"]), name
+    for d in docs:
+        if d["kind"] == "Secret" and d["metadata"]["name"] == "t-steamrf-secrets":
+            assert not any(k.startswith("STEAMRF__KAFKA__") for k in d.get("stringData", {})), path
+PY
 echo "helm-check: ok ($(ls "$chart"/ci/*-values.yaml | wc -l) scenarios + defaults)"

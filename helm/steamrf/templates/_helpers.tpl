@@ -31,12 +31,23 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "steamrf.fullname" .)) -}}
 {{- end -}}
 
-{{/* The image; (list $ true) for the CUDA variant. */}}
+{{/* The image; (list $ true) for the CUDA variant. A digest pins it. */}}
 {{- define "steamrf.image" -}}
 {{- $root := index . 0 -}}
+{{- $cuda := index . 1 -}}
+{{- $digest := ternary $root.Values.image.cudaDigest $root.Values.image.digest $cuda -}}
+{{- if $digest -}}
+{{- if not (hasPrefix "sha256:" $digest) }}{{ fail "image.digest and image.cudaDigest must look like sha256:<hex>" }}{{ end -}}
+{{ printf "%s@%s" $root.Values.image.repository $digest }}
+{{- else -}}
 {{- $tag := $root.Values.image.tag | default $root.Chart.AppVersion -}}
-{{- if index . 1 }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
+{{- if $cuda }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
 {{ printf "%s:%s" $root.Values.image.repository $tag }}
+{{- end -}}
+{{- end -}}
+
+{{- define "steamrf.kafkaSecretName" -}}
+{{- .Values.secrets.existingKafkaSecret | default (printf "%s-kafka-secrets" (include "steamrf.fullname" .)) -}}
 {{- end -}}
 
 {{/* Pod annotations: a config change rolls the pods. */}}
@@ -57,33 +68,44 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
 {{- end }}
 {{- end -}}
 
+{{/* Secret environment; (list $ kafka?): Kafka credentials only for Kafka clients. */}}
 {{- define "steamrf.envFrom" -}}
+{{- $root := index . 0 -}}
 - secretRef:
-    name: {{ include "steamrf.secretName" . }}
+    name: {{ include "steamrf.secretName" $root }}
     optional: true
+{{- if index . 1 }}
+- secretRef:
+    name: {{ include "steamrf.kafkaSecretName" $root }}
+    optional: true
+{{- end }}
 {{- end -}}
 
-{{/* Volumes: the config, a writable /tmp, and the Kafka TLS files if any. */}}
+{{/* Volumes: the config, a writable /tmp, and for Kafka clients, (list $ true), the Kafka TLS files if any. */}}
 {{- define "steamrf.volumes" -}}
+{{- $root := index . 0 -}}
 - name: config
   configMap:
-    name: {{ include "steamrf.fullname" . }}-config
+    name: {{ include "steamrf.fullname" $root }}-config
 - name: tmp
   emptyDir: {}
-{{- with .Values.secrets.kafkaTlsSecret }}
+{{- if index . 1 }}
+{{- with $root.Values.secrets.kafkaTlsSecret }}
 - name: kafka-tls
   secret:
     secretName: {{ . }}
 {{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "steamrf.volumeMounts" -}}
+{{- $root := index . 0 -}}
 - name: config
   mountPath: /etc/steamrf
   readOnly: true
 - name: tmp
   mountPath: /tmp
-{{- if .Values.secrets.kafkaTlsSecret }}
+{{- if and (index . 1) $root.Values.secrets.kafkaTlsSecret }}
 - name: kafka-tls
   mountPath: /etc/steamrf-kafka-tls
   readOnly: true
@@ -130,6 +152,8 @@ affinity:
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+# steamrf never calls the Kubernetes API.
+automountServiceAccountToken: false
 securityContext:
   {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
 {{- end -}}
