@@ -34,6 +34,9 @@ pub(crate) struct Failure {
     pub(crate) reason: String,
     /// Timeouts, connection errors, 429 and 5xx.
     pub(crate) retryable: bool,
+    /// The server refused the request's content (400, 413, 422): the same
+    /// input will always fail, other input may not.
+    pub(crate) input_rejected: bool,
     /// The server's `Retry-After`, in seconds, if it sent one.
     pub(crate) retry_after: Option<Duration>,
 }
@@ -48,6 +51,7 @@ pub(crate) async fn post_json(
     let fail = |reason: String, retryable: bool| Failure {
         reason,
         retryable,
+        input_rejected: false,
         retry_after: None,
     };
     let mut req = client
@@ -81,6 +85,7 @@ pub(crate) async fn post_json(
         return Err(Failure {
             reason: format!("HTTP {status}: {text}"),
             retryable: status.as_u16() == 429 || status.is_server_error(),
+            input_rejected: matches!(status.as_u16(), 400 | 413 | 422),
             retry_after,
         });
     }

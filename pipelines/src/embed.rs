@@ -10,7 +10,12 @@
 //!
 //! A failed embedding call fails the batch; the pipeline then stops without
 //! committing its offsets, so nothing is lost (the remote engine retries
-//! timeouts, 429 and 5xx itself before that).
+//! timeouts, 429 and 5xx itself before that). The exception is an endpoint
+//! that refuses the input itself (HTTP 400, 413, 422): the call is split in
+//! halves until the refused texts are isolated, their rows leave the batch
+//! as [`RejectedRow`]s (the pipeline dead-letters them with the endpoint's
+//! reason), and the rest of the batch goes on. A 401 or 404 (a configuration
+//! fault that every text would meet) still stops the pipeline.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -19,9 +24,10 @@ use std::time::Instant;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::TimestampMillisecondType;
-use arrow_array::{Array, RecordBatch, UInt32Array};
+use arrow_array::{Array, BooleanArray, RecordBatch, UInt32Array};
 use steamrf_operators::embed::{
-    Backend, Embedder, LocalEmbedder, MiniLm, MiniLmOptions, RemoteEmbedder, RemoteOptions,
+    Backend, EmbedError, Embedder, LocalEmbedder, MiniLm, MiniLmOptions, RemoteEmbedder,
+    RemoteOptions,
 };
 use steamrf_schemas::TableName;
 use steamrf_schemas::tables::{EMBEDDING_DIM, with_embeddings};
@@ -147,38 +153,77 @@ impl EmbedStage {
         }
     }
 
-    async fn run(&self, kind: &'static str, texts: Vec<String>) -> Result<Vec<f32>> {
+    /// Embeds `texts`: the vectors of the accepted ones, in order, and the
+    /// refused ones as (index, the endpoint's reason).
+    async fn run(&self, kind: &'static str, texts: Vec<String>) -> Result<Embedded> {
         let Some(e) = &self.embedder else {
-            return Ok(Vec::new());
+            return Ok(Embedded::default());
         };
         let started = Instant::now();
         let n = texts.len();
-        let out = e.embed(texts).await;
-        let retries = e.stats().retries.load(Ordering::Relaxed);
-        let before = self.retries_seen.swap(retries, Ordering::Relaxed);
-        self.metrics
-            .embed_retries
-            .inc_by(retries.saturating_sub(before));
-        let out = out.map_err(|err| {
-            self.metrics.embed_failures.inc();
-            Error::Embed {
-                retryable: err.retryable(),
-                source: Box::new(err),
+        let mut rows: Vec<Option<std::result::Result<Vec<f32>, String>>> = vec![None; n];
+        // Ranges still to embed; a refused range of several texts is split.
+        let mut todo = vec![(0, n)];
+        while let Some((lo, hi)) = todo.pop() {
+            let out = e.embed(texts[lo..hi].to_vec()).await;
+            let retries = e.stats().retries.load(Ordering::Relaxed);
+            let before = self.retries_seen.swap(retries, Ordering::Relaxed);
+            self.metrics
+                .embed_retries
+                .inc_by(retries.saturating_sub(before));
+            match out {
+                Ok(out) => {
+                    self.metrics.embed_tokens.inc_by(out.tokens);
+                    self.metrics.embed_truncated.inc_by(out.truncated);
+                    for (slot, v) in rows[lo..hi].iter_mut().zip(out.vectors.chunks(out.dim)) {
+                        *slot = Some(Ok(v.to_vec()));
+                    }
+                }
+                Err(EmbedError::Rejected { reason, .. }) if hi - lo == 1 => {
+                    rows[lo] = Some(Err(reason));
+                }
+                Err(EmbedError::Rejected { .. }) => {
+                    let mid = lo + (hi - lo) / 2;
+                    todo.push((mid, hi));
+                    todo.push((lo, mid));
+                }
+                Err(err) => {
+                    self.metrics.embed_failures.inc();
+                    return Err(Error::Embed {
+                        retryable: err.retryable(),
+                        source: Box::new(err),
+                    });
+                }
             }
-        })?;
+        }
         self.metrics
             .embed_duration
             .observe(started.elapsed().as_secs_f64());
+        let mut out = Embedded::default();
+        for (i, r) in rows.into_iter().enumerate() {
+            match r {
+                Some(Ok(v)) => out.vectors.extend(v),
+                Some(Err(reason)) => out.rejected.push((i, reason)),
+                None => {
+                    return Err(Error::Internal {
+                        message: format!("text {i} of {n} was never embedded"),
+                    });
+                }
+            }
+        }
         self.metrics
             .embed_texts
             .with_label_values(&[kind])
-            .inc_by(n as u64);
-        self.metrics.embed_tokens.inc_by(out.tokens);
-        self.metrics.embed_truncated.inc_by(out.truncated);
-        Ok(out.vectors)
+            .inc_by((n - out.rejected.len()) as u64);
+        self.metrics
+            .embed_rejected
+            .with_label_values(&[kind])
+            .inc_by(out.rejected.len() as u64);
+        Ok(out)
     }
 
-    /// Fills the embedding columns of `tables` (see the module docs).
+    /// Fills the embedding columns of `tables` (see the module docs); rows
+    /// whose text the endpoint refused leave `tables` and are returned.
     ///
     /// # Errors
     /// A failed lookup or embedding call; the batch must then not be committed.
@@ -186,9 +231,10 @@ impl EmbedStage {
         &self,
         sink: &LanceSink,
         tables: &mut steamrf_schemas::TableBatches,
-    ) -> Result<()> {
+    ) -> Result<Vec<RejectedRow>> {
+        let mut rejected = Vec::new();
         if self.embedder.is_none() {
-            return Ok(());
+            return Ok(rejected);
         }
         let started = Instant::now();
         let texts_before = self.metrics.total_texts_embedded();
@@ -198,10 +244,10 @@ impl EmbedStage {
             .map_or(0, RecordBatch::num_rows)
             + tables.items.as_ref().map_or(0, RecordBatch::num_rows);
         if let Some(batch) = tables.interactions.take() {
-            tables.interactions = Some(self.dialogue(sink, batch).await?);
+            tables.interactions = Some(self.dialogue(sink, batch, &mut rejected).await?);
         }
         if let Some(batch) = tables.items.take() {
-            tables.items = self.items(sink, batch).await?;
+            tables.items = self.items(sink, batch, &mut rejected).await?;
         }
         let op = |d: &str| self.metrics.operator_rows.with_label_values(&["embed", d]);
         op("in").inc_by(rows as u64);
@@ -210,10 +256,15 @@ impl EmbedStage {
             .operator_duration
             .with_label_values(&["embed"])
             .observe(started.elapsed().as_secs_f64());
-        Ok(())
+        Ok(rejected)
     }
 
-    async fn dialogue(&self, sink: &LanceSink, batch: RecordBatch) -> Result<RecordBatch> {
+    async fn dialogue(
+        &self,
+        sink: &LanceSink,
+        batch: RecordBatch,
+        rejected: &mut Vec<RejectedRow>,
+    ) -> Result<RecordBatch> {
         let col = |n: &str| column(&batch, n);
         let kind = col("kind")?.as_string::<i32>();
         let text = col("text")?.as_string::<i32>();
@@ -239,11 +290,28 @@ impl EmbedStage {
             return Ok(batch);
         }
         let texts = rows.iter().map(|&r| text.value(r).to_owned()).collect();
-        let vectors = self.run("dialogue_turn", texts).await?;
-        Ok(with_embeddings(&batch, &rows, &vectors)?)
+        let out = self.run("dialogue_turn", texts).await?;
+        let refused: Vec<(usize, String)> = out
+            .rejected
+            .iter()
+            .map(|(i, why)| (rows[*i], why.clone()))
+            .collect();
+        let accepted: Vec<usize> = rows
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !out.rejected.iter().any(|(j, _)| j == i))
+            .map(|(_, &r)| r)
+            .collect();
+        let batch = with_embeddings(&batch, &accepted, &out.vectors)?;
+        take_out(TableName::Interactions, batch, "text", refused, rejected)
     }
 
-    async fn items(&self, sink: &LanceSink, batch: RecordBatch) -> Result<Option<RecordBatch>> {
+    async fn items(
+        &self,
+        sink: &LanceSink,
+        batch: RecordBatch,
+        rejected: &mut Vec<RejectedRow>,
+    ) -> Result<Option<RecordBatch>> {
         let batch = dedup(TableName::Items, &batch)?;
         let keys: Vec<&str> = column(&batch, "item_id")?
             .as_string::<i32>()
@@ -284,10 +352,109 @@ impl EmbedStage {
                 item_text(&self.item_template, title.value(r), &c, d)
             })
             .collect();
-        let rows: Vec<usize> = (0..batch.num_rows()).collect();
-        let vectors = self.run("item", texts).await?;
-        Ok(Some(with_embeddings(&batch, &rows, &vectors)?))
+        let out = self.run("item", texts).await?;
+        let accepted: Vec<usize> = (0..batch.num_rows())
+            .filter(|i| !out.rejected.iter().any(|(j, _)| j == i))
+            .collect();
+        let batch = with_embeddings(&batch, &accepted, &out.vectors)?;
+        let batch = take_out(TableName::Items, batch, "title", out.rejected, rejected)?;
+        Ok((batch.num_rows() > 0).then_some(batch))
     }
+}
+
+/// What [`EmbedStage::run`] made of a list of texts.
+#[derive(Debug, Default)]
+struct Embedded {
+    /// The accepted texts' vectors, in order, `EMBEDDING_DIM` each.
+    vectors: Vec<f32>,
+    /// The refused texts: (index, the endpoint's reason).
+    rejected: Vec<(usize, String)>,
+}
+
+/// A row whose text the embedding endpoint refused (HTTP 400, 413, 422): it
+/// is dead-lettered with the reason instead of written.
+#[derive(Debug, Clone)]
+pub struct RejectedRow {
+    /// Its table.
+    pub table: TableName,
+    /// The field whose text was refused (`text` for a turn, `title` for the
+    /// item text built from title, categories and description).
+    pub field: &'static str,
+    /// The endpoint's answer.
+    pub reason: String,
+    /// Kafka partition and offset of the event.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// The record key to dead-letter under (the user or the item id).
+    pub key: String,
+    /// The decoded row as JSON (values as text; the embedding left out):
+    /// the original record is not kept past decoding.
+    pub row: serde_json::Value,
+}
+
+/// Removes the `refused` rows (index, reason) from `batch`, describing each
+/// in `out`.
+fn take_out(
+    table: TableName,
+    batch: RecordBatch,
+    field: &'static str,
+    refused: Vec<(usize, String)>,
+    out: &mut Vec<RejectedRow>,
+) -> Result<RecordBatch> {
+    if refused.is_empty() {
+        return Ok(batch);
+    }
+    let partition =
+        column(&batch, "source_partition")?.as_primitive::<arrow_array::types::Int32Type>();
+    let offset = column(&batch, "source_offset")?.as_primitive::<arrow_array::types::Int64Type>();
+    let key_col = match table {
+        TableName::Items => "item_id",
+        _ => "user_id",
+    };
+    let key = column(&batch, key_col)?.as_string::<i32>();
+    let options = arrow_cast::display::FormatOptions::default();
+    let formatters: Vec<(String, arrow_cast::display::ArrayFormatter<'_>)> = batch
+        .schema()
+        .fields()
+        .iter()
+        .zip(batch.columns())
+        .filter(|(f, _)| {
+            !matches!(
+                f.name().as_str(),
+                "embedding" | "source_partition" | "source_offset" | "ingested_at"
+            )
+        })
+        .map(|(f, c)| {
+            Ok((
+                f.name().clone(),
+                arrow_cast::display::ArrayFormatter::try_new(c.as_ref(), &options)?,
+            ))
+        })
+        .collect::<std::result::Result<_, arrow_schema::ArrowError>>()?;
+    let mut keep = vec![true; batch.num_rows()];
+    for (r, reason) in refused {
+        keep[r] = false;
+        let mut row = serde_json::Map::new();
+        for (name, f) in &formatters {
+            if batch.column_by_name(name).is_some_and(|c| c.is_valid(r)) {
+                row.insert(name.clone(), f.value(r).to_string().into());
+            }
+        }
+        out.push(RejectedRow {
+            table,
+            field,
+            reason,
+            partition: partition.value(r),
+            offset: offset.value(r),
+            key: key.value(r).to_owned(),
+            row: row.into(),
+        });
+    }
+    Ok(arrow_select::filter::filter_record_batch(
+        &batch,
+        &BooleanArray::from(keep),
+    )?)
 }
 
 fn column<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a Arc<dyn Array>> {

@@ -72,6 +72,8 @@ pub struct Metrics {
     pub embed_retries: IntCounter,
     /// Embedding calls that failed for good (the batch is not committed).
     pub embed_failures: IntCounter,
+    /// Texts the endpoint refused (400, 413, 422), dead-lettered, by kind.
+    pub embed_rejected: IntCounterVec,
     /// Duration of one embedding call (one micro-batch of one kind).
     pub embed_duration: Histogram,
     /// Memory evolution steps, by kind (formed, consolidated).
@@ -347,6 +349,12 @@ impl Metrics {
                 "steamrf_embed_failures_total",
                 "Embedding calls that failed after retries; the batch is not committed.",
             ),
+            embed_rejected: counter(
+                &r,
+                "steamrf_embed_rejected_total",
+                "Texts the embedding endpoint refused (HTTP 400, 413, 422); their rows are dead-lettered.",
+                &["kind"],
+            ),
             embed_duration: histogram(
                 &r,
                 "steamrf_embed_duration_seconds",
@@ -474,6 +482,7 @@ impl Metrics {
         }
         for k in ["dialogue_turn", "item"] {
             m.embed_texts.with_label_values(&[k]);
+            m.embed_rejected.with_label_values(&[k]);
             m.embed_skipped.with_label_values(&[k]);
         }
         for t in topics {
@@ -484,6 +493,8 @@ impl Metrics {
         for k in DecodeErrorKind::ALL {
             m.dead_lettered.with_label_values(&[k.as_str()]);
         }
+        m.dead_lettered
+            .with_label_values(&[crate::pipeline::EMBEDDING_REJECTED]);
         for r in FlushReason::ALL {
             m.batches.with_label_values(&[r.as_str()]);
         }

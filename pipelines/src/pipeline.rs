@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::producer::FutureProducer;
 use rdkafka::{Offset, TopicPartitionList};
 use steamrf_operators::batch::BatchTracker;
 use tokio::sync::mpsc;
@@ -224,10 +225,11 @@ async fn run_inner(
     let (etx, mut erx) = mpsc::channel::<SourceBatch>(1);
     let embed_task = tokio::spawn({
         let (sink, stage, metrics) = (sink.clone(), stage.clone(), metrics.clone());
+        let dead_letters = (_dead_letters.clone(), config.kafka.clone());
         async move {
             while let Some(mut batch) = rx.recv().await {
                 metrics.queue_depth.dec();
-                embed_batch(&stage, &sink, &metrics, &mut batch).await?;
+                embed_batch(&stage, &sink, &dead_letters, &metrics, &mut batch).await?;
                 if etx.send(batch).await.is_err() {
                     break;
                 }
@@ -337,23 +339,59 @@ fn offsets_list<'a>(
 }
 
 /// Embeds one batch, retrying retryable failures (a LanceDB lookup, an
-/// endpoint that is still failing after the engine's own retries).
+/// endpoint that is still failing after the engine's own retries). Rows
+/// whose text the endpoint refused are dead-lettered (kind
+/// `embedding_rejected`); their deliveries join the batch's, awaited before
+/// its offsets commit.
 async fn embed_batch(
     stage: &EmbedStage,
     sink: &LanceSink,
+    dead_letters: &(FutureProducer, crate::config::KafkaConfig),
     metrics: &Metrics,
     batch: &mut SourceBatch,
 ) -> Result<()> {
     let on_error = |e: &Error| metrics.error("embed", e);
-    let tables = crate::error::retry(WRITE_ATTEMPTS, "Embedding", on_error, || async {
+    let (tables, rejected) = crate::error::retry(WRITE_ATTEMPTS, "Embedding", on_error, || async {
         let mut tables = batch.tables.clone();
-        stage.apply(sink, &mut tables).await.map(|()| tables)
+        stage
+            .apply(sink, &mut tables)
+            .await
+            .map(|rejected| (tables, rejected))
     })
     .await
     .inspect_err(on_error)?;
     batch.tables = tables;
+    for r in rejected {
+        tracing::warn!(table = r.table.as_str(), partition = r.partition, offset = r.offset, reason = %r.reason, "The embedding endpoint refused a row's text; dead-lettering the row.");
+        metrics
+            .dead_lettered
+            .with_label_values(&[EMBEDDING_REJECTED])
+            .inc();
+        let (partition, offset) = (r.partition.to_string(), r.offset.to_string());
+        let fields = [
+            (source::headers::KIND, EMBEDDING_REJECTED),
+            (source::headers::FIELD, r.field),
+            (source::headers::REASON, r.reason.as_str()),
+            (source::headers::PARTITION, partition.as_str()),
+            (source::headers::OFFSET, offset.as_str()),
+        ];
+        let payload = serde_json::to_vec(&r.row).map_err(|e| Error::Internal {
+            message: format!("serialising a rejected row: {e}"),
+        })?;
+        let (producer, kafka) = dead_letters;
+        batch.dead_letters.push(source::send_dead_letter(
+            producer,
+            kafka,
+            &fields,
+            Some(r.key.as_bytes()),
+            &payload,
+        )?);
+    }
     Ok(())
 }
+
+/// The dead-letter kind of a row whose text the embedding endpoint refused.
+pub const EMBEDDING_REJECTED: &str = "embedding_rejected";
 
 async fn write_batch(
     sink: &LanceSink,

@@ -115,6 +115,71 @@ fn fit_dead_letter<'a>(
     }
 }
 
+/// Produces one dead letter to `kafka.dead_letter_topic`: `fields` as
+/// headers (each value cut to 1 KiB: a reason can quote hostile input), the
+/// key and payload cut to fit the producer's `message.max.bytes` (see
+/// [`fit_dead_letter`]). Waits while the producer's queue is full.
+///
+/// # Errors
+/// The producer refused the record for another reason.
+pub fn send_dead_letter(
+    producer: &FutureProducer,
+    config: &KafkaConfig,
+    fields: &[(&str, &str)],
+    key: Option<&[u8]>,
+    payload: &[u8],
+) -> Result<DeliveryFuture> {
+    let fields: Vec<(&str, &str)> = fields
+        .iter()
+        .map(|&(k, v)| (k, clip_bytes(v, DEAD_LETTER_HEADER_MAX_BYTES)))
+        .collect();
+    let header_bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let max_message_bytes = config
+        .properties
+        .get("message.max.bytes")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_MESSAGE_MAX_BYTES);
+    let fitted = fit_dead_letter(payload, key, header_bytes, max_message_bytes);
+    if let Some(n) = fitted.payload_cut_from {
+        tracing::warn!(
+            bytes = n,
+            kept = fitted.payload.len(),
+            "A dead letter's payload was cut to fit message.max.bytes."
+        );
+    }
+    let payload_cut_from = fitted.payload_cut_from.map(|n| n.to_string());
+    let key_cut_from = fitted.key_cut_from.map(|n| n.to_string());
+    let cut = [
+        (headers::ORIGINAL_PAYLOAD_BYTES, payload_cut_from.as_deref()),
+        (headers::ORIGINAL_KEY_BYTES, key_cut_from.as_deref()),
+    ];
+    let headers = fields
+        .into_iter()
+        .chain(cut.into_iter().filter_map(|(k, v)| Some((k, v?))))
+        .fold(OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: Some(value),
+            })
+        });
+    let mut record = FutureRecord::to(&config.dead_letter_topic)
+        .payload(fitted.payload)
+        .headers(headers);
+    if let Some(key) = fitted.key {
+        record = record.key(key);
+    }
+    loop {
+        match producer.send_result(record) {
+            Ok(f) => return Ok(f),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                record = r;
+                producer.poll(Duration::from_millis(50));
+            }
+            Err((e, _)) => return Err(Error::kafka("producing a dead letter")(e)),
+        }
+    }
+}
+
 /// One micro-batch on its way to the writer.
 pub struct SourceBatch {
     /// Rows per table.
@@ -495,65 +560,15 @@ impl SourceLoop {
         let partition = msg.partition().to_string();
         let offset = msg.offset().to_string();
         let reason = err.to_string();
-        let reason = clip_bytes(&reason, DEAD_LETTER_HEADER_MAX_BYTES);
-        let field = clip_bytes(err.field.as_str(), DEAD_LETTER_HEADER_MAX_BYTES);
         let fields = [
             (headers::KIND, err.kind.as_str()),
-            (headers::FIELD, field),
-            (headers::REASON, reason),
+            (headers::FIELD, err.field.as_str()),
+            (headers::REASON, reason.as_str()),
             (headers::TOPIC, msg.topic()),
             (headers::PARTITION, &partition),
             (headers::OFFSET, &offset),
         ];
-        let header_bytes = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
-        let max_message_bytes = self
-            .config
-            .properties
-            .get("message.max.bytes")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_MESSAGE_MAX_BYTES);
-        let fitted = fit_dead_letter(payload, msg.key(), header_bytes, max_message_bytes);
-        if let Some(n) = fitted.payload_cut_from {
-            tracing::warn!(
-                topic = msg.topic(),
-                partition = msg.partition(),
-                offset = msg.offset(),
-                bytes = n,
-                kept = fitted.payload.len(),
-                "A dead letter's payload was cut to fit message.max.bytes."
-            );
-        }
-        let payload_cut_from = fitted.payload_cut_from.map(|n| n.to_string());
-        let key_cut_from = fitted.key_cut_from.map(|n| n.to_string());
-        let cut = [
-            (headers::ORIGINAL_PAYLOAD_BYTES, payload_cut_from.as_deref()),
-            (headers::ORIGINAL_KEY_BYTES, key_cut_from.as_deref()),
-        ];
-        let headers = fields
-            .into_iter()
-            .chain(cut.into_iter().filter_map(|(k, v)| Some((k, v?))))
-            .fold(OwnedHeaders::new(), |h, (key, value)| {
-                h.insert(Header {
-                    key,
-                    value: Some(value),
-                })
-            });
-        let mut record = FutureRecord::to(&self.config.dead_letter_topic)
-            .payload(fitted.payload)
-            .headers(headers);
-        if let Some(key) = fitted.key {
-            record = record.key(key);
-        }
-        loop {
-            match self.producer.send_result(record) {
-                Ok(f) => return Ok(f),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                    record = r;
-                    self.producer.poll(Duration::from_millis(50));
-                }
-                Err((e, _)) => return Err(Error::kafka("producing a dead letter")(e)),
-            }
-        }
+        send_dead_letter(&self.producer, &self.config, &fields, msg.key(), payload)
     }
 
     fn flush(

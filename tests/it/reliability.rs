@@ -783,6 +783,128 @@ fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
     assert_eq!(embedded(&uri), want);
 }
 
+/// An endpoint that refuses some texts (HTTP 400, as for input over its
+/// context length): those rows, and only those, are dead-lettered with the
+/// endpoint's reason; every other row of their batches is written and
+/// embedded, and the pipeline does not stop.
+#[test]
+fn texts_the_embedding_endpoint_refuses_are_dead_lettered_and_ingest_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-refused");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let mut lines = Vec::new();
+    for i in 0..40 {
+        let text = if i % 13 == 5 {
+            format!("turn {i} {REFUSED_MARKER} far too long")
+        } else {
+            format!("turn {i} about jazz records")
+        };
+        lines.push(line(
+            &topic,
+            &format!("t{i}"),
+            &format!(
+                r#""type":"dialogue_turn","user_id":"bob","session_id":"s1","role":"user","text":"{text}""#
+            ),
+        ));
+        lines.push(line(
+            &topic,
+            &format!("c{i}"),
+            r#""type":"click","user_id":"bob","item_id":"jazz1""#,
+        ));
+    }
+    for (id, title) in [
+        ("jazz1", "Jazz Standards"),
+        ("bad1", "REFUSE-ME Collection"),
+    ] {
+        lines.push(line(
+            &topic,
+            id,
+            &format!(r#""type":"item","item_id":"{id}","title":"{title}","categories":["Jazz"]"#),
+        ));
+    }
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    produce_all(&topic, 1, &file);
+    let server = FlakyEmbeddings::start(0);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &topic,
+        dlq: &dlq,
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let path = cfg.write();
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("[embed]\n", "[embed]\nengine = \"remote\"\n")
+        + &format!(
+            "[embed.remote]\nurl = \"{}\"\nmax_attempts = 2\ntimeout = \"2s\"\n",
+            server.url
+        );
+    std::fs::write(&path, text).unwrap();
+    let p = Pipeline::run_to_idle(&path);
+    let uri = cfg.lancedb_uri();
+    // Turns 5, 18 and 31 and item bad1 refused; everything else written.
+    assert_eq!(
+        sql_count(&uri, "SELECT count(*) AS n FROM interactions"),
+        77
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn' AND embedding IS NOT NULL"
+        ),
+        37
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM items WHERE embedding IS NOT NULL"
+        ),
+        1
+    );
+    let log = p.log_text();
+    assert_eq!(
+        log.matches("The embedding endpoint refused a row's text")
+            .count(),
+        4,
+        "{log}"
+    );
+    let letters = read_dead_letters(&dlq, 4, Duration::from_secs(30));
+    assert_eq!(letters.len(), 4);
+    let mut keys = Vec::new();
+    for l in &letters {
+        assert_eq!(
+            l.headers["steamrf-error-kind"], "embedding_rejected",
+            "{:?}",
+            l.headers
+        );
+        assert!(
+            l.headers["steamrf-error-reason"].contains("input is too long for this model"),
+            "{:?}",
+            l.headers
+        );
+        let row: serde_json::Value = serde_json::from_slice(&l.payload).unwrap();
+        assert!(row.to_string().contains(REFUSED_MARKER), "{row}");
+        keys.push((
+            l.headers["steamrf-error-field"].clone(),
+            row.get("event_id")
+                .and_then(|v| v.as_str())
+                .unwrap_or("")
+                .to_owned(),
+        ));
+    }
+    keys.sort();
+    let want: Vec<(String, String)> = vec![
+        ("text".into(), format!("{topic}-t18")),
+        ("text".into(), format!("{topic}-t31")),
+        ("text".into(), format!("{topic}-t5")),
+        ("title".into(), format!("{topic}-bad1")),
+    ];
+    assert_eq!(keys, want);
+}
+
 /// A Tansu broker of this test's own, storing everything in the local S3
 /// store (scripts/s3.sh), so it can be killed and restarted; killed on drop.
 struct S3Broker {

@@ -692,6 +692,9 @@ fn manifest_dir() -> String {
 /// is reachable from here) that can be made to fail: the first `fail`
 /// requests get 503 or 429 alternately (`usize::MAX`: every request).
 /// Vectors are deterministic per text.
+/// Texts holding this are refused by [`FlakyEmbeddings`] with a 400.
+pub const REFUSED_MARKER: &str = "REFUSE-ME";
+
 pub struct FlakyEmbeddings {
     pub url: String,
     pub fail: std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -723,7 +726,20 @@ impl FlakyEmbeddings {
                             f => Some(f - 1),
                         })
                         .is_ok();
-                    let (status, out) = if failing {
+                    let req: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                    // Like an endpoint refusing a text over its context length.
+                    let refused = req["input"].as_array().is_some_and(|inputs| {
+                        inputs
+                            .iter()
+                            .any(|t| t.as_str().unwrap_or("").contains(REFUSED_MARKER))
+                    });
+                    let (status, out) = if refused {
+                        (
+                            "400 Bad Request",
+                            r#"{"error":{"message":"input is too long for this model"}}"#
+                                .to_owned(),
+                        )
+                    } else if failing {
                         let s = if n % 2 == 0 {
                             "503 Service Unavailable"
                         } else {

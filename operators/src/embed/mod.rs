@@ -76,6 +76,16 @@ pub enum EmbedError {
     /// The forward pass or tokenizer failed.
     #[error("embedding failed: {0}")]
     Model(String),
+    /// The remote endpoint refused the input itself (HTTP 400, 413, 422: a
+    /// text over its context length, a string it cannot take). Other texts
+    /// may succeed; the caller can isolate the refused ones.
+    #[error("embedding endpoint {url} rejected the input: {reason}")]
+    Rejected {
+        /// The endpoint.
+        url: String,
+        /// Its answer.
+        reason: String,
+    },
     /// The remote endpoint failed after retries, or answered something unusable.
     #[error("embedding endpoint {url}: {reason}")]
     Remote {
@@ -96,7 +106,7 @@ impl EmbedError {
     pub fn retryable(&self) -> bool {
         match self {
             Self::Remote { retryable, .. } => *retryable,
-            Self::Load { .. } | Self::Model(_) | Self::Closed => false,
+            Self::Load { .. } | Self::Model(_) | Self::Rejected { .. } | Self::Closed => false,
         }
     }
 }

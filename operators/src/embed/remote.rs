@@ -189,7 +189,17 @@ impl Inner {
             body,
         )
         .await
-        .map_err(|f| (self.err(f.reason, f.retryable), f.retry_after))?;
+        .map_err(|f| {
+            let e = if f.input_rejected {
+                EmbedError::Rejected {
+                    url: self.endpoint.clone(),
+                    reason: f.reason,
+                }
+            } else {
+                self.err(f.reason, f.retryable)
+            };
+            (e, f.retry_after)
+        })?;
         let parsed: Response = serde_json::from_slice(&bytes)
             .map_err(|e| (self.err(format!("unreadable response: {e}"), false), None))?;
         if parsed.data.len() != n {
