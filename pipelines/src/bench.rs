@@ -89,7 +89,7 @@ pub async fn produce_events(
     n: u64,
     distinct: u64,
 ) -> Result<Vec<String>> {
-    crate::source::ensure_topic(brokers, &Default::default(), topic, partitions).await?;
+    crate::source::ensure_topic(brokers, &Default::default(), topic, partitions, &[]).await?;
     let (b, t) = (brokers.to_owned(), topic.to_owned());
     let (rate, avg) = tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct))
         .await
@@ -268,7 +268,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let mut out = Vec::new();
     let stamp = chrono::Utc::now().format("%Y%m%d%H%M%S%3f");
     let topic = format!("steamrf-bench-{stamp}");
-    crate::source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions).await?;
+    crate::source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions, &[]).await?;
     let n = b.events;
     // In a child process (`steamrf bench produce`), so that the producer's
     // buffers (the whole backlog, until delivered) are not counted in this

@@ -167,7 +167,14 @@ async fn run_inner(
     )
     .await?
     .into_writer();
-    source::ensure_topic(&config.kafka.brokers, &config.kafka.properties, &topic, 1).await?;
+    source::ensure_topic(
+        &config.kafka.brokers,
+        &config.kafka.properties,
+        &topic,
+        1,
+        &config.steam.changes_topic_configs(),
+    )
+    .await?;
     let mut kafka = config.kafka.clone();
     kafka.group_id = format!("{}-communities", config.kafka.group_id);
     kafka.topics = vec![topic.clone()];

@@ -153,6 +153,19 @@ pub struct SteamConfig {
     pub communities: CommunitiesMode,
     /// The internal topic of memory changes (`communities = "topic"`).
     pub changes_topic: String,
+    /// Its `retention.ms` when steamrf creates it.
+    #[serde(with = "humantime_serde_compat")]
+    pub changes_retention: Duration,
+}
+
+impl SteamConfig {
+    /// The changes topic's configs when steamrf creates it.
+    pub fn changes_topic_configs(&self) -> Vec<(&'static str, String)> {
+        vec![(
+            "retention.ms",
+            self.changes_retention.as_millis().to_string(),
+        )]
+    }
 }
 
 /// Where community maintenance runs.
@@ -943,6 +956,12 @@ impl Config {
             ));
         }
         if self.steam.communities == CommunitiesMode::Topic {
+            if self.steam.changes_retention < Duration::from_secs(60) {
+                p.push(format!(
+                    "steam.changes_retention: must be at least 1m, got {:?}",
+                    self.steam.changes_retention
+                ));
+            }
             if !valid_topic(&self.steam.changes_topic) {
                 p.push(format!(
                     "steam.changes_topic: {:?} is not a valid topic name",

@@ -159,6 +159,7 @@ async fn run_inner(
                 &config.kafka.properties,
                 &config.steam.changes_topic,
                 1,
+                &config.steam.changes_topic_configs(),
             )
             .await?;
             Some(crate::steam::ChangePublisher::new(
@@ -189,6 +190,7 @@ async fn run_inner(
             &config.kafka.properties,
             &config.kafka.dead_letter_topic,
             1,
+            &[],
         )
         .await?;
     }

@@ -342,18 +342,23 @@ pub fn dead_letter_producer(cfg: &KafkaConfig) -> Result<FutureProducer> {
         .map_err(Error::kafka("creating the dead-letter producer"))
 }
 
-/// Creates `topic` if missing (`partitions`, replication 1 unless the broker
-/// decides otherwise).
+/// Creates `topic` with `partitions` (and `configs`, e.g. `retention.ms`)
+/// if it does not exist. When it exists and a config differs from the one
+/// asked for, logs a warning naming both: an operator may have set it on
+/// purpose, so it is not overwritten.
 ///
 /// # Errors
-/// [`Error::Kafka`] when the admin request fails for another reason than "exists".
+/// The admin client cannot be built, or the broker refuses the topic.
 pub async fn ensure_topic(
     brokers: &str,
     props: &BTreeMap<String, String>,
     topic: &str,
     partitions: i32,
+    configs: &[(&str, String)],
 ) -> Result<()> {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::admin::{
+        AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication,
+    };
     let mut c = ClientConfig::new();
     for (k, v) in props {
         if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
@@ -364,26 +369,45 @@ pub async fn ensure_topic(
     let admin: AdminClient<_> = c
         .create()
         .map_err(Error::kafka("creating the admin client"))?;
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let new_topic = configs.iter().fold(
+        NewTopic::new(topic, partitions, TopicReplication::Fixed(-1)),
+        |t, (k, v)| t.set(k, v),
+    );
     let results = admin
-        .create_topics(
-            &[NewTopic::new(
-                topic,
-                partitions,
-                TopicReplication::Fixed(-1),
-            )],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
+        .create_topics(&[new_topic], &options)
         .await
         .map_err(Error::kafka(format!("creating topic {topic}")))?;
+    let mut existed = false;
     for r in results {
         match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Ok(_) => {}
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => existed = true,
             Err((t, code)) => {
                 return Err(Error::Kafka {
                     context: format!("creating topic {t}"),
                     source: KafkaError::AdminOp(code),
                 });
             }
+        }
+    }
+    if existed && !configs.is_empty() {
+        // Best effort: a broker that cannot describe configs is not an error.
+        match admin
+            .describe_configs(&[ResourceSpecifier::Topic(topic)], &options)
+            .await
+        {
+            Ok(described) => {
+                for resource in described.into_iter().flatten() {
+                    for (k, want) in configs {
+                        let have = resource.get(k).and_then(|e| e.value.clone());
+                        if have.as_deref() != Some(want.as_str()) {
+                            tracing::warn!(topic, config = k, have = ?have, want = %want, "An existing topic's config differs from steamrf's; leaving it as it is.");
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(topic, error = %e, "Describing the topic's configs failed."),
         }
     }
     Ok(())

@@ -354,6 +354,12 @@ fn forgetting_in_the_scaled_out_write_path_reaches_the_community_writer() {
         Duration::from_secs(90),
     );
     assert!(!bytes_on_disk(lancedb, marker).is_empty());
+    // The changes topic carries memory contents: created with a retention
+    // (steam.changes_retention, 24 h), so a forgotten user's leave it.
+    assert_eq!(
+        topic_config(&format!("{topic}-changes"), "retention.ms").as_deref(),
+        Some("86400000")
+    );
     let links_of = |user: &str| {
         format!(
             "SELECT count(*) AS n FROM memory_links WHERE from_user = '{user}' OR to_user = '{user}'"

@@ -785,3 +785,23 @@ impl FlakyEmbeddings {
         }
     }
 }
+
+/// A topic's config value, as the broker describes it.
+pub fn topic_config(topic: &str, key: &str) -> Option<String> {
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    let admin: AdminClient<_> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let described = rt
+        .block_on(admin.describe_configs(&[ResourceSpecifier::Topic(topic)], &AdminOptions::new()))
+        .unwrap();
+    described
+        .into_iter()
+        .flatten()
+        .find_map(|r| r.get(key).and_then(|e| e.value.clone()))
+}
