@@ -115,8 +115,9 @@ fi
 # The Python venv: confluent-kafka (the tests' independent Kafka client; its bundled
 # librdkafka 2.x also lets Debian's kcat talk to Tansu), numpy + threadpoolctl (the BLAS
 # reference of `steamrf bench similarity`), kubernetes-validate (the chart's offline
-# checks, Kubernetes schemas bundled). Every package, dependencies included, is pinned
-# with its hashes in scripts/requirements/venv.txt and installed from binary wheels only;
+# checks, Kubernetes schemas bundled), schemathesis (the API's contract test). Every
+# package, dependencies included, is pinned with its hashes in
+# scripts/requirements/venv.txt and installed from binary wheels only;
 # the venv is re-synced whenever that file changes.
 REQS=scripts/requirements/venv.txt
 reqs_sha=$(sha256sum "$REQS" | cut -d' ' -f1)
