@@ -23,7 +23,9 @@ use crate::metrics::Metrics;
 use crate::pipeline::{self, RunOptions};
 
 mod retrieve;
+mod soak;
 pub use retrieve::{RetrieveBench, retrieve};
+pub use soak::{SoakBench, soak};
 
 /// Events per second, two ways.
 #[derive(Debug, Clone, Copy)]

@@ -117,6 +117,8 @@ pub struct ServeConfig {
     /// `/readyz` fails once no refresh has succeeded for this long.
     #[serde(with = "humantime_serde_compat")]
     pub max_staleness: Duration,
+    /// glibc malloc arenas at most (0: glibc's default).
+    pub malloc_arenas: usize,
     /// RF-Mem parameters (each overridable per request in `options`, up to
     /// the configured values of the cost keys).
     pub rfmem: steamrf_operators::rfmem::RfMemParams,

@@ -165,6 +165,27 @@ enum BenchCmd {
         #[arg(long, default_value_t = 100_000)]
         lancedb_index_rows: usize,
     },
+    /// A real `steamrf serve` at a fixed request rate for a long time, the tables changing underneath: errors, latency per window, RSS growth.
+    Soak {
+        /// How long the load runs (humantime: "10m").
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        /// Requests per second (open loop).
+        #[arg(long, default_value_t = 200)]
+        rate: u32,
+        /// Users in the tables.
+        #[arg(long, default_value_t = 1000)]
+        users: usize,
+        /// Dialogue turns per user.
+        #[arg(long, default_value_t = 100)]
+        rows_per_user: usize,
+        /// New turns written per second during the run (snapshot swaps).
+        #[arg(long, default_value_t = 20)]
+        writes_per_s: usize,
+        /// Reporting interval.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        sample: Duration,
+    },
     /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
     Similarity {
         /// Queries per call.
@@ -350,6 +371,29 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             })
             .await
             .context("bench retrieve")?;
+            Ok(print_lines(&lines))
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Soak {
+                    duration,
+                    rate,
+                    users,
+                    rows_per_user,
+                    writes_per_s,
+                    sample,
+                },
+        } => {
+            let lines = bench::soak(bench::SoakBench {
+                duration,
+                rate,
+                users,
+                rows_per_user,
+                writes_per_s,
+                sample,
+            })
+            .await
+            .context("bench soak")?;
             Ok(print_lines(&lines))
         }
         Cmd::Communities {

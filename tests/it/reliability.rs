@@ -510,6 +510,43 @@ fn memory_does_not_grow_with_the_backlog() {
     );
 }
 
+/// `steamrf bench soak`, short: a real `steamrf serve` at a fixed rate while
+/// the tables change under it answers every request, sheds none, and ends
+/// with the RESULT keys the soak in docs/reliability.md reports.
+#[test]
+fn a_short_soak_has_no_errors() {
+    let out = Command::new(steamrf_bin())
+        .current_dir(repo_root())
+        .args(["bench", "soak", "--duration", "15s", "--rate", "100"])
+        .args(["--users", "100", "--rows-per-user", "20", "--sample", "5s"])
+        .env("STEAMRF_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    let r = steamrf_pipelines::bench::result_fields(&text)
+        .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
+    for key in ["errors", "shed", "client_overflow"] {
+        assert_eq!(r[key], 0.0, "{key}: {text}");
+    }
+    assert!(r["ok"] > 1000.0 && r["bad_requests"] > 0.0, "{text}");
+    assert!(r["snapshots"] >= 10.0, "the tables did not change: {text}");
+    for key in [
+        "p50_ms",
+        "p99_ms",
+        "rss_first_half_mib",
+        "rss_end_mib",
+        "rss_growth_pct",
+    ] {
+        assert!(r[key].is_finite(), "{key}: {text}");
+    }
+}
+
 /// Items in four genres, then clicks and one user turn per user, in one
 /// partition (an item always precedes the clicks on it). Returns how many
 /// interactions the STEAM stage observes (clicks and user turns).
