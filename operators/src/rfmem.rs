@@ -490,11 +490,12 @@ pub fn retrieve(store: &VectorStore, query: &[f32], p: &RfMemParams) -> Result<A
     retrieve_until(store, query, p, &|| false)
 }
 
-/// [`retrieve`], asking `stop` before each recollection round and each
-/// branch's clustering. Once it says yes, recollection ends with the rows
-/// found so far, topped up from the probe's rows only (no further search),
-/// and [`Answer::truncated`] is set. The probe and familiarity's one search
-/// always run: their cost is one bounded top-k.
+/// [`retrieve`], asking `stop` before each recollection round after the
+/// first and before each branch's clustering. Once it says yes, recollection
+/// ends with the rows found so far, topped up from the probe's rows only (no
+/// further search), and [`Answer::truncated`] is set. The probe,
+/// familiarity's one search and recollection's first round always run:
+/// each is one bounded top-k.
 ///
 /// # Errors
 /// As [`retrieve`].
@@ -629,7 +630,9 @@ fn recollect(
         if *candidates + k * beam.len() > p.max_candidates.max(k) {
             break;
         }
-        if stop() {
+        // The first round always runs (one bounded top-k, often the probe's
+        // prefix), so a cut answer is never empty.
+        if level > 0 && stop() {
             truncated = true;
             break;
         }

@@ -185,7 +185,8 @@ fn a_stop_check_ends_recollection_with_what_it_has() {
     };
     let full = retrieve(&store, q, &p).unwrap();
     assert!(!full.truncated && full.rounds > 3, "{}", full.rounds);
-    // Stop after the checks of two rounds: the third round never runs.
+    // The first round is not asked; stop at the third question (before the
+    // fourth round): rounds 0, 1 and 2 run.
     let asked = Cell::new(0);
     let stop = || {
         asked.set(asked.get() + 1);
@@ -193,15 +194,17 @@ fn a_stop_check_ends_recollection_with_what_it_has() {
     };
     let ab = RfMemParams { beam: 1, ..p };
     let one_branch = retrieve(&store, q, &ab).unwrap();
+    assert!(one_branch.rounds > 3, "{}", one_branch.rounds);
     let a = retrieve_until(&store, q, &ab, &stop).unwrap();
     assert!(a.truncated);
-    assert_eq!(a.rounds, 2);
-    assert!(a.hits.iter().all(|h| h.round < 2));
+    assert_eq!(a.rounds, 3);
+    assert!(a.hits.iter().all(|h| h.round < 3));
     // The rows found are the full run's prefix; the top-up comes only
     // from the probe (none here: forced recollection probes nothing).
     assert_eq!(&a.hits[..], &one_branch.hits[..a.hits.len()]);
     assert!(a.candidates < one_branch.candidates);
-    // Stopped before anything: the probe's rows answer (adaptive mode).
+    // Stopped at once: the first round still runs (the probe's prefix here),
+    // and the probe's other rows top it up (adaptive mode).
     let adaptive = RfMemParams {
         mode: Mode::Adaptive,
         theta_low: 0.99,
@@ -210,9 +213,15 @@ fn a_stop_check_ends_recollection_with_what_it_has() {
     };
     let b = retrieve_until(&store, q, &adaptive, &|| true).unwrap();
     assert_eq!(b.path, Path::Recollection);
-    assert!(b.truncated && b.rounds == 0);
+    assert!(b.truncated && b.rounds == 1);
     assert_eq!(b.hits.len(), adaptive.probe_k);
-    assert_eq!(b.filled, adaptive.probe_k);
+    assert_eq!(b.filled, adaptive.probe_k - adaptive.beam);
+    // Forced recollection probes nothing: the first round is the answer.
+    let c = retrieve_until(&store, q, &p, &|| true).unwrap();
+    assert!(
+        c.truncated && c.rounds == 1 && c.hits.len() == p.beam,
+        "{c:?}"
+    );
 }
 
 #[test]

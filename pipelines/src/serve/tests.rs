@@ -643,7 +643,9 @@ async fn recollection_stops_at_the_request_deadline_with_what_it_has() {
     let (status, v) = post(&base, "/v1/retrieve", None, &body.to_string()).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["explanation"]["truncated"], true, "{v}");
-    assert_eq!(v["explanation"]["rounds"], 0, "{v}");
+    // The first round always runs: a cut answer is not empty.
+    assert_eq!(v["explanation"]["rounds"], 1, "{v}");
+    assert!(!v["items"].as_array().unwrap().is_empty(), "{v}");
     assert!(
         st.metrics
             .render()
