@@ -703,11 +703,14 @@ fn the_service_keeps_to_its_openapi_document_under_schemathesis() {
     cfg.run_to_idle(&extra);
     let config = cfg.write_with(&extra);
     let service = Service::start(&config);
+    let spec = repo_root().join("docs/openapi.json");
+    // Run in the temp dir: schemathesis keeps a cache (.schemathesis/) in
+    // its working directory.
     let out = std::process::Command::new(repo_root().join(".tools/venv/bin/schemathesis"))
-        .current_dir(repo_root())
+        .current_dir(dir.path())
         .args([
             "run",
-            "docs/openapi.json",
+            spec.to_str().unwrap(),
             "--url",
             &format!("http://127.0.0.1:{}", service.port),
             "-H",
