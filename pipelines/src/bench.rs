@@ -970,7 +970,12 @@ fn reset_peak_rss() {
 
 /// A memory line of /proc/self/status (`VmRSS:`, `VmHWM:`), in bytes.
 fn rss_bytes(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    proc_status_bytes("self", field)
+}
+
+/// A memory line of `/proc/<pid>/status` (`pid` may be `self`), in bytes.
+fn proc_status_bytes(pid: &str, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
@@ -979,6 +984,21 @@ fn rss_bytes(field: &str) -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// The `p` quantile of sorted `sorted` (nearest rank); NaN when empty.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// A benchmark's own failure, as an internal error.
+fn internal(e: impl std::fmt::Display) -> Error {
+    Error::Internal {
+        message: e.to_string(),
+    }
 }
 
 /// Clustered synthetic memories: `topics` unit centres; each memory is its

@@ -291,17 +291,7 @@ impl EmbedStage {
         }
         let texts = rows.iter().map(|&r| text.value(r).to_owned()).collect();
         let out = self.run("dialogue_turn", texts).await?;
-        let refused: Vec<(usize, String)> = out
-            .rejected
-            .iter()
-            .map(|(i, why)| (rows[*i], why.clone()))
-            .collect();
-        let accepted: Vec<usize> = rows
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !out.rejected.iter().any(|(j, _)| j == i))
-            .map(|(_, &r)| r)
-            .collect();
+        let (accepted, refused) = out.by_row(&rows);
         let batch = with_embeddings(&batch, &accepted, &out.vectors)?;
         take_out(TableName::Interactions, batch, "text", refused, rejected)
     }
@@ -353,11 +343,10 @@ impl EmbedStage {
             })
             .collect();
         let out = self.run("item", texts).await?;
-        let accepted: Vec<usize> = (0..batch.num_rows())
-            .filter(|i| !out.rejected.iter().any(|(j, _)| j == i))
-            .collect();
+        let rows: Vec<usize> = (0..batch.num_rows()).collect();
+        let (accepted, refused) = out.by_row(&rows);
         let batch = with_embeddings(&batch, &accepted, &out.vectors)?;
-        let batch = take_out(TableName::Items, batch, "title", out.rejected, rejected)?;
+        let batch = take_out(TableName::Items, batch, "title", refused, rejected)?;
         Ok((batch.num_rows() > 0).then_some(batch))
     }
 }
@@ -369,6 +358,24 @@ struct Embedded {
     vectors: Vec<f32>,
     /// The refused texts: (index, the endpoint's reason).
     rejected: Vec<(usize, String)>,
+}
+
+impl Embedded {
+    /// With `rows[i]` the batch row of text `i`: the accepted rows, and the
+    /// refused ones with the endpoint's reason.
+    fn by_row(&self, rows: &[usize]) -> (Vec<usize>, Vec<(usize, String)>) {
+        let mut accepted = Vec::with_capacity(rows.len());
+        let mut refused = Vec::new();
+        // `rejected` is in text order.
+        let mut rejected = self.rejected.iter().peekable();
+        for (i, &row) in rows.iter().enumerate() {
+            match rejected.next_if(|(j, _)| *j == i) {
+                Some((_, why)) => refused.push((row, why.clone())),
+                None => accepted.push(row),
+            }
+        }
+        (accepted, refused)
+    }
 }
 
 /// A row whose text the embedding endpoint refused (HTTP 400, 413, 422): it

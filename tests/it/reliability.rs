@@ -761,13 +761,7 @@ fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
             linger_ms: 50,
         };
         let path = cfg.write();
-        let text = std::fs::read_to_string(&path)
-            .unwrap()
-            .replace("[embed]\n", "[embed]\nengine = \"remote\"\n")
-            + &format!(
-                "[embed.remote]\nurl = \"{}\"\nmax_attempts = 2\ntimeout = \"2s\"\n",
-                server.url
-            );
+        let text = server.configure(&std::fs::read_to_string(&path).unwrap());
         // Each group its own LanceDB directory.
         let text = text.replace(
             &format!("uri = \"{}\"", cfg.lancedb_uri()),
@@ -878,13 +872,7 @@ fn texts_the_embedding_endpoint_refuses_are_dead_lettered_and_ingest_goes_on() {
         linger_ms: 100,
     };
     let path = cfg.write();
-    let text = std::fs::read_to_string(&path)
-        .unwrap()
-        .replace("[embed]\n", "[embed]\nengine = \"remote\"\n")
-        + &format!(
-            "[embed.remote]\nurl = \"{}\"\nmax_attempts = 2\ntimeout = \"2s\"\n",
-            server.url
-        );
+    let text = server.configure(&std::fs::read_to_string(&path).unwrap());
     std::fs::write(&path, text).unwrap();
     let p = Pipeline::run_to_idle(&path);
     let uri = cfg.lancedb_uri();

@@ -702,6 +702,16 @@ pub struct FlakyEmbeddings {
 }
 
 impl FlakyEmbeddings {
+    /// `config` (a pipeline's TOML) with the remote embedding engine
+    /// pointed at this server (two attempts, 2 s timeout).
+    pub fn configure(&self, config: &str) -> String {
+        config.replace("[embed]\n", "[embed]\nengine = \"remote\"\n")
+            + &format!(
+                "[embed.remote]\nurl = \"{}\"\nmax_attempts = 2\ntimeout = \"2s\"\n",
+                self.url
+            )
+    }
+
     pub fn start(fail: usize) -> Self {
         use std::io::Write;
         use std::sync::atomic::Ordering;

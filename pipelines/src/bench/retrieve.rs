@@ -31,7 +31,7 @@ use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
-use super::{Synth, rss_bytes};
+use super::{Synth, internal, percentile, rss_bytes};
 use crate::error::{Error, Result};
 
 /// Options of `steamrf bench retrieve`.
@@ -51,20 +51,6 @@ pub struct RetrieveBench {
     pub lancedb: bool,
     /// Build an IVF_PQ index in LanceDB from this many rows.
     pub lancedb_index_rows: usize,
-}
-
-fn internal(e: impl std::fmt::Display) -> Error {
-    Error::Internal {
-        message: e.to_string(),
-    }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
 }
 
 struct Stats {

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use steamrf_schemas::{Provenance, TableBuilders, TableName, decode};
 
-use super::Synth;
+use super::{Synth, internal, percentile, proc_status_bytes};
 use crate::config::LanceDbConfig;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -56,12 +56,6 @@ pub struct SoakBench {
 
 const TOPICS: usize = 64;
 const MAX_OUTSTANDING: usize = 512;
-
-fn internal(e: impl std::fmt::Display) -> Error {
-    Error::Internal {
-        message: e.to_string(),
-    }
-}
 
 /// Turns `ids` (user, turn) as an `interactions` batch with vectors from
 /// `synth`, each around the topic `topic_of(user, turn)`.
@@ -107,23 +101,7 @@ fn topic_of(user: usize, turn: usize) -> usize {
 
 /// `VmRSS` of process `pid`, in MiB.
 fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
+    proc_status_bytes(&pid.to_string(), "VmRSS:") as f64 / f64::from(1u32 << 20)
 }
 
 #[derive(Default)]

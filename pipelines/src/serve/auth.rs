@@ -3,9 +3,10 @@
 //! The tokens file has one token per line: `<token> <tenant>[,<tenant>...]`,
 //! `*` for every tenant, `#` starting a comment. Tokens are compared in
 //! constant time. With no file configured every request is allowed (local use).
+//! The service reads the file, and re-reads it on change, through
+//! `serve::TokensFile`.
 
 use std::collections::BTreeSet;
-use std::path::Path;
 
 use crate::error::{Error, Result};
 
@@ -124,20 +125,6 @@ impl Auth {
         Ok(Self {
             tokens: Some(tokens),
         })
-    }
-
-    /// Loads `path` (empty: no authentication).
-    ///
-    /// # Errors
-    /// An unreadable or malformed file.
-    pub fn load(path: &str) -> Result<Self> {
-        if path.is_empty() {
-            return Ok(Self::open());
-        }
-        let text = std::fs::read_to_string(Path::new(path)).map_err(|e| Error::Config {
-            problems: vec![format!("serve.tokens_file {path}: {e}")],
-        })?;
-        Self::parse(&text)
     }
 
     /// The scope of the `Authorization` header's bearer token.

@@ -629,6 +629,38 @@ async fn options_may_not_ask_for_more_work_than_the_server_allows() {
     assert_eq!(status, 200, "{v}");
 }
 
+type EmbedResult =
+    Result<steamrf_operators::embed::Embeddings, steamrf_operators::embed::EmbedError>;
+
+/// An embedder whose answer is `f(texts)`: the failures and delays a
+/// service test needs.
+struct FnEmbedder<F>(steamrf_operators::embed::EmbedStats, F);
+
+impl<F> Embedder for FnEmbedder<F>
+where
+    F: Fn(Vec<String>) -> futures::future::BoxFuture<'static, EmbedResult> + Send + Sync + 'static,
+{
+    fn dim(&self) -> usize {
+        EMBEDDING_DIM
+    }
+    fn model_id(&self) -> &str {
+        "test"
+    }
+    fn embed(&self, texts: Vec<String>) -> futures::future::BoxFuture<'static, EmbedResult> {
+        (self.1)(texts)
+    }
+    fn stats(&self) -> &steamrf_operators::embed::EmbedStats {
+        &self.0
+    }
+}
+
+fn fn_embedder<F>(f: F) -> Option<Arc<dyn Embedder>>
+where
+    F: Fn(Vec<String>) -> futures::future::BoxFuture<'static, EmbedResult> + Send + Sync + 'static,
+{
+    Some(Arc::new(FnEmbedder(Default::default(), f)))
+}
+
 #[tokio::test]
 async fn recollection_stops_at_the_request_deadline_with_what_it_has() {
     let (base, st) = start_with(
@@ -660,39 +692,6 @@ async fn recollection_stops_at_the_request_deadline_with_what_it_has() {
     );
 }
 
-/// An embedder that takes 500 ms and counts the embeddings it finished.
-struct SlowEmbedder(steamrf_operators::embed::EmbedStats, Arc<AtomicU64>);
-
-impl Embedder for SlowEmbedder {
-    fn dim(&self) -> usize {
-        EMBEDDING_DIM
-    }
-    fn model_id(&self) -> &str {
-        "slow"
-    }
-    fn embed(
-        &self,
-        texts: Vec<String>,
-    ) -> futures::future::BoxFuture<
-        'static,
-        Result<steamrf_operators::embed::Embeddings, steamrf_operators::embed::EmbedError>,
-    > {
-        let done = self.1.clone();
-        Box::pin(async move {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            done.fetch_add(1, Ordering::SeqCst);
-            Ok(steamrf_operators::embed::Embeddings {
-                dim: EMBEDDING_DIM,
-                vectors: texts.iter().flat_map(|_| unit(&[(0, 1.0)])).collect(),
-                ..Default::default()
-            })
-        })
-    }
-    fn stats(&self) -> &steamrf_operators::embed::EmbedStats {
-        &self.0
-    }
-}
-
 #[tokio::test]
 async fn work_stops_when_the_client_goes_away() {
     let done = Arc::new(AtomicU64::new(0));
@@ -700,7 +699,22 @@ async fn work_stops_when_the_client_goes_away() {
         Auth::open(),
         true,
         |c| c.max_in_flight = 1,
-        Some(Arc::new(SlowEmbedder(Default::default(), done.clone()))),
+        fn_embedder({
+            // 500 ms, then counts the embedding it finished.
+            let done = done.clone();
+            move |texts| {
+                let done = done.clone();
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    done.fetch_add(1, Ordering::SeqCst);
+                    Ok(steamrf_operators::embed::Embeddings {
+                        dim: EMBEDDING_DIM,
+                        vectors: texts.iter().flat_map(|_| unit(&[(0, 1.0)])).collect(),
+                        ..Default::default()
+                    })
+                })
+            }
+        }),
     )
     .await;
     let body = json!({"user_id": "acme:ann", "query": "jazz"}).to_string();
@@ -754,43 +768,22 @@ async fn overload_is_shed_with_503_and_retry_after() {
     assert!(m.contains("steamrf_serve_shed_total 1"), "{m}");
 }
 
-/// An embedder whose failure names its endpoint, as the remote one does.
-struct LeakyEmbedder(steamrf_operators::embed::EmbedStats);
-
-impl Embedder for LeakyEmbedder {
-    fn dim(&self) -> usize {
-        EMBEDDING_DIM
-    }
-    fn model_id(&self) -> &str {
-        "leaky"
-    }
-    fn embed(
-        &self,
-        _: Vec<String>,
-    ) -> futures::future::BoxFuture<
-        'static,
-        Result<steamrf_operators::embed::Embeddings, steamrf_operators::embed::EmbedError>,
-    > {
-        Box::pin(async {
-            Err(steamrf_operators::embed::EmbedError::Remote {
-                url: "http://embedder.internal:8080/v1/embeddings".into(),
-                reason: "HTTP 500: upstream secret body".into(),
-                retryable: true,
-            })
-        })
-    }
-    fn stats(&self) -> &steamrf_operators::embed::EmbedStats {
-        &self.0
-    }
-}
-
 #[tokio::test]
 async fn internal_errors_carry_only_a_request_id() {
     let (base, _) = start_with(
         Auth::open(),
         true,
         |_| {},
-        Some(Arc::new(LeakyEmbedder(Default::default()))),
+        // A failure that names its endpoint, as the remote embedder's does.
+        fn_embedder(|_| {
+            Box::pin(async {
+                Err(steamrf_operators::embed::EmbedError::Remote {
+                    url: "http://embedder.internal:8080/v1/embeddings".into(),
+                    reason: "HTTP 500: upstream secret body".into(),
+                    retryable: true,
+                })
+            })
+        }),
     )
     .await;
     let resp = reqwest::Client::new()
