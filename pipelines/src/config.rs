@@ -119,6 +119,8 @@ pub struct ServeConfig {
     pub max_staleness: Duration,
     /// glibc malloc arenas at most (0: glibc's default).
     pub malloc_arenas: usize,
+    /// Bytes of users' rows and prototype members held in memory at most.
+    pub cache_bytes: ByteSize,
     /// RF-Mem parameters (each overridable per request in `options`, up to
     /// the configured values of the cost keys).
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
@@ -940,6 +942,12 @@ impl Config {
         }
         if v.max_in_flight == 0 {
             p.push("serve.max_in_flight: must be > 0".to_owned());
+        }
+        if v.cache_bytes.0 < 1 << 20 {
+            p.push(format!(
+                "serve.cache_bytes: must be at least 1MiB, got {}",
+                v.cache_bytes.0
+            ));
         }
         for (name, d) in [
             ("request_timeout", v.request_timeout),

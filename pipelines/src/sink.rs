@@ -189,7 +189,56 @@ pub async fn open_or_create_named(
     Ok(table)
 }
 
+/// Brings a BTree index on each of `columns` up to date: creates the
+/// missing ones, and folds new fragments into the existing ones.
+///
+/// # Errors
+/// LanceDB failures.
+pub(crate) async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> {
+    let indices = table
+        .list_indices()
+        .await
+        .map_err(Error::lance("listing indices"))?;
+    let mut existed = false;
+    for c in columns {
+        if indices.iter().any(|i| i.columns == [*c]) {
+            existed = true;
+            continue;
+        }
+        table
+            .create_index(&[*c], Index::BTree(Default::default()))
+            .execute()
+            .await
+            .map_err(Error::lance(format!(
+                "creating the {c} index of {}",
+                table.name()
+            )))?;
+    }
+    if existed {
+        table
+            .optimize(OptimizeAction::Index(Default::default()))
+            .await
+            .map_err(Error::lance(format!(
+                "updating the indexes of {}",
+                table.name()
+            )))?;
+    }
+    Ok(())
+}
+
+/// The columns of `name` with a BTree index: the key (idempotent writes),
+/// and for `interactions` also `user_id` (the retrieval service reads one
+/// user's rows at a time).
+pub(crate) fn indexed_columns(name: TableName) -> &'static [&'static str] {
+    match name {
+        TableName::Interactions => &["event_id", "user_id"],
+        TableName::Items => &["item_id"],
+        TableName::Profiles => &["user_id"],
+    }
+}
+
 /// The name of the index on `name`'s key column, if there is one.
+#[cfg(test)]
 async fn key_index(table: &Table, name: TableName) -> Result<Option<String>> {
     let indices = table
         .list_indices()
@@ -270,7 +319,7 @@ impl LanceSink {
         &self.tables[&t].table
     }
 
-    /// Creates the key index, or folds new fragments into it, once enough
+    /// Creates the indexes ([`indexed_columns`]), or folds new fragments into them, once enough
     /// unindexed rows have accumulated.
     async fn maybe_reindex(&self, name: TableName) -> Result<()> {
         let state = &self.tables[&name];
@@ -278,19 +327,7 @@ impl LanceSink {
             return Ok(());
         }
         let started = Instant::now();
-        let table = &state.table;
-        if key_index(table, name).await?.is_some() {
-            table
-                .optimize(OptimizeAction::Index(Default::default()))
-                .await
-                .map_err(Error::lance(format!("updating the {} index", name.key())))?;
-        } else {
-            table
-                .create_index(&[name.key()], Index::BTree(Default::default()))
-                .execute()
-                .await
-                .map_err(Error::lance(format!("creating the {} index", name.key())))?;
-        }
+        ensure_btree(&state.table, indexed_columns(name)).await?;
         state.unindexed.store(0, Ordering::Relaxed);
         self.metrics
             .optimizations

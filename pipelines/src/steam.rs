@@ -107,7 +107,15 @@ pub struct SteamStage {
     items_table: Option<Table>,
     /// Partition assignments seen (a new one reloads the memories).
     assignments_seen: u64,
+    /// Memory rows written since the `memories` indexes were last brought
+    /// up to date (see [`MEMORY_REINDEX_ROWS`]).
+    memories_unindexed: std::sync::atomic::AtomicU64,
 }
+
+/// Memory rows written between updates of the `memories` BTree indexes on
+/// `memory_id` (upserts look keys up) and `user_id` (the retrieval service
+/// reads one user's memories at a time). Rows written since are scanned.
+const MEMORY_REINDEX_ROWS: u64 = 20_000;
 
 /// Publishes changed memories to the internal changes topic, for the
 /// community writer (`steamrf communities`).
@@ -332,6 +340,8 @@ impl SteamStage {
             writer: false,
             items_table: None,
             assignments_seen: 0,
+            // Coverage is unknown after a restart: brought up to date after the first write.
+            memories_unindexed: std::sync::atomic::AtomicU64::new(MEMORY_REINDEX_ROWS),
         };
         stage.state = load_state(&stage.memories, &stage.links, params).await?;
         // Created here if no ingest instance has yet (the community writer
@@ -907,6 +917,22 @@ impl SteamStage {
         Ok(out)
     }
 
+    async fn maybe_reindex_memories(&self, written: u64) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if written == 0
+            || self
+                .memories_unindexed
+                .fetch_add(written, Ordering::Relaxed)
+                + written
+                < MEMORY_REINDEX_ROWS
+        {
+            return Ok(());
+        }
+        crate::sink::ensure_btree(&self.memories, &["memory_id", "user_id"]).await?;
+        self.memories_unindexed.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
     async fn persist(&self, changed: &[MemoryId], link: &LinkOutcome) -> Result<()> {
         if !self.writer {
             // Memories: the changed ones and those whose community id moved.
@@ -917,6 +943,7 @@ impl SteamStage {
             let mems: Vec<&Memory> = ids.iter().filter_map(|&id| self.state.memory(id)).collect();
             let batch = memories_batch(&mems)?;
             upsert(&self.memories, "memory_id", batch.clone()).await?;
+            self.maybe_reindex_memories(batch.num_rows() as u64).await?;
             if let Some(p) = &self.publish {
                 // The table first: a change the writer sees is always durable.
                 let records = p.publish(&batch).await?;
@@ -949,7 +976,7 @@ impl SteamStage {
 }
 
 /// The `memories` columns a [`Memory`] is read back from.
-const MEMORY_COLUMNS: &[&str] = &[
+pub(crate) const MEMORY_COLUMNS: &[&str] = &[
     "memory_id",
     "user_id",
     "content",

@@ -23,8 +23,38 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::memory::dot;
-use super::{MemoryId, SteamState};
+use super::memory::{Memory, UserMemories, dot};
+use super::{MemoryId, Prototype, SteamState};
+
+/// What local-to-global retrieval reads: the whole [`SteamState`] (the write
+/// path, the evaluation), or a partial view assembled for one user (the
+/// retrieval service's cache: the user's memories, the published
+/// prototypes, and the members of the prototypes the user's memories are in).
+pub trait MemoryView {
+    /// A user's memories.
+    fn user(&self, user_id: &str) -> Option<&UserMemories>;
+    /// The community of a memory.
+    fn community_of(&self, m: MemoryId) -> Option<MemoryId>;
+    /// A published prototype (by community id).
+    fn prototype(&self, c: MemoryId) -> Option<&Prototype>;
+    /// A memory by id.
+    fn memory(&self, id: MemoryId) -> Option<&Memory>;
+}
+
+impl MemoryView for SteamState {
+    fn user(&self, user_id: &str) -> Option<&UserMemories> {
+        SteamState::user(self, user_id)
+    }
+    fn community_of(&self, m: MemoryId) -> Option<MemoryId> {
+        self.communities().community_of(m)
+    }
+    fn prototype(&self, c: MemoryId) -> Option<&Prototype> {
+        SteamState::prototype(self, c)
+    }
+    fn memory(&self, id: MemoryId) -> Option<&Memory> {
+        SteamState::memory(self, id)
+    }
+}
 
 /// Retrieval and ranking parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -96,58 +126,7 @@ pub struct Ranked {
 impl SteamState {
     /// Local-to-global retrieval for `user_id` with a unit-length `query`.
     pub fn retrieve(&self, user_id: &str, query: &[f32], p: &RecommendParams) -> Retrieved {
-        let mut out = Retrieved::default();
-        let Some(user) = self.user(user_id) else {
-            return out;
-        };
-        let mut local = user.top_k(query, p.k2, p.tau);
-        if local.is_empty() {
-            local = user.top_k(query, 1, f32::NEG_INFINITY);
-        }
-        // (score, prototype) per reached memory; owners are filled in for
-        // the k_collab kept only (this runs once per recommend candidate).
-        let mut collab: BTreeMap<MemoryId, (f32, MemoryId)> = BTreeMap::new();
-        for &(i, score) in &local {
-            let m = &user.memories[i];
-            out.local.push(Hit {
-                memory_id: m.id,
-                user_id: user_id.to_owned(),
-                score,
-                via_prototype: None,
-            });
-            let Some(c) = self.communities().community_of(m.id) else {
-                continue;
-            };
-            let Some(proto) = self.prototype(c) else {
-                continue;
-            };
-            for &other in &proto.members {
-                let Some(om) = self.memory(other) else {
-                    continue;
-                };
-                if om.user_id == user_id {
-                    continue;
-                }
-                collab
-                    .entry(other)
-                    .or_insert_with(|| (dot(query, &om.embedding), proto.id));
-            }
-        }
-        let mut collab: Vec<(MemoryId, (f32, MemoryId))> = collab.into_iter().collect();
-        collab.sort_by(|a, b| b.1.0.total_cmp(&a.1.0).then(a.0.cmp(&b.0)));
-        collab.truncate(p.k_collab);
-        out.collaborative = collab
-            .into_iter()
-            .map(|(memory_id, (score, proto))| Hit {
-                memory_id,
-                user_id: self
-                    .memory(memory_id)
-                    .map_or_else(String::new, |m| m.user_id.clone()),
-                score,
-                via_prototype: Some(proto),
-            })
-            .collect();
-        out
+        retrieve(self, user_id, query, p)
     }
 
     /// Ranks `candidates` (item id, unit embedding) for `user_id`, best
@@ -158,46 +137,118 @@ impl SteamState {
         candidates: &[(String, Vec<f32>)],
         p: &RecommendParams,
     ) -> Vec<Ranked> {
-        // Item sets of the collaborative memories met so far: a memory of a
-        // long history holds hundreds of items, and every candidate asks.
-        let mut items_of: HashMap<MemoryId, HashSet<&str>> = HashMap::new();
-        let mut out: Vec<(usize, Ranked)> = Vec::with_capacity(candidates.len());
-        for (i, (item, e)) in candidates.iter().enumerate() {
-            let r = self.retrieve(user_id, e, p);
-            let local = r.local.first().map_or(0.0, |h| h.score);
-            let collab = r.collaborative.first().map_or(0.0, |h| h.score);
-            let seen = if r.collaborative.is_empty() {
-                0.0
-            } else {
-                let n = r
-                    .collaborative
-                    .iter()
-                    .filter(|h| {
-                        items_of
-                            .entry(h.memory_id)
-                            .or_insert_with(|| {
-                                self.memory(h.memory_id).map_or_else(HashSet::new, |m| {
-                                    m.items.iter().map(String::as_str).collect()
-                                })
-                            })
-                            .contains(item.as_str())
-                    })
-                    .count();
-                n as f32 / r.collaborative.len() as f32
-            };
-            let ranked = Ranked {
-                item_id: item.clone(),
-                score: local + p.collab_weight * collab + p.seen_weight * seen,
-                local,
-                collab,
-                seen,
-                memory_id: r.local.first().map(|h| h.memory_id),
-            };
-            out.push((i, ranked));
-        }
-        out.sort_by(|a, b| b.1.score.total_cmp(&a.1.score).then(a.0.cmp(&b.0)));
-        out.into_iter().map(|(_, r)| r).collect()
+        recommend(self, user_id, candidates, p)
     }
+}
+
+/// Local-to-global retrieval for `user_id` with a unit-length `query`.
+pub fn retrieve(
+    view: &impl MemoryView,
+    user_id: &str,
+    query: &[f32],
+    p: &RecommendParams,
+) -> Retrieved {
+    let mut out = Retrieved::default();
+    let Some(user) = view.user(user_id) else {
+        return out;
+    };
+    let mut local = user.top_k(query, p.k2, p.tau);
+    if local.is_empty() {
+        local = user.top_k(query, 1, f32::NEG_INFINITY);
+    }
+    // (score, prototype) per reached memory; owners are filled in for
+    // the k_collab kept only (this runs once per recommend candidate).
+    let mut collab: BTreeMap<MemoryId, (f32, MemoryId)> = BTreeMap::new();
+    for &(i, score) in &local {
+        let m = &user.memories[i];
+        out.local.push(Hit {
+            memory_id: m.id,
+            user_id: user_id.to_owned(),
+            score,
+            via_prototype: None,
+        });
+        let Some(c) = view.community_of(m.id) else {
+            continue;
+        };
+        let Some(proto) = view.prototype(c) else {
+            continue;
+        };
+        for &other in &proto.members {
+            let Some(om) = view.memory(other) else {
+                continue;
+            };
+            if om.user_id == user_id {
+                continue;
+            }
+            collab
+                .entry(other)
+                .or_insert_with(|| (dot(query, &om.embedding), proto.id));
+        }
+    }
+    let mut collab: Vec<(MemoryId, (f32, MemoryId))> = collab.into_iter().collect();
+    collab.sort_by(|a, b| b.1.0.total_cmp(&a.1.0).then(a.0.cmp(&b.0)));
+    collab.truncate(p.k_collab);
+    out.collaborative = collab
+        .into_iter()
+        .map(|(memory_id, (score, proto))| Hit {
+            memory_id,
+            user_id: view
+                .memory(memory_id)
+                .map_or_else(String::new, |m| m.user_id.clone()),
+            score,
+            via_prototype: Some(proto),
+        })
+        .collect();
+    out
+}
+
+/// Ranks `candidates` (item id, unit embedding) for `user_id`, best first
+/// (ties: input order).
+pub fn recommend(
+    view: &impl MemoryView,
+    user_id: &str,
+    candidates: &[(String, Vec<f32>)],
+    p: &RecommendParams,
+) -> Vec<Ranked> {
+    // Item sets of the collaborative memories met so far: a memory of a
+    // long history holds hundreds of items, and every candidate asks.
+    let mut items_of: HashMap<MemoryId, HashSet<&str>> = HashMap::new();
+    let mut out: Vec<(usize, Ranked)> = Vec::with_capacity(candidates.len());
+    for (i, (item, e)) in candidates.iter().enumerate() {
+        let r = retrieve(view, user_id, e, p);
+        let local = r.local.first().map_or(0.0, |h| h.score);
+        let collab = r.collaborative.first().map_or(0.0, |h| h.score);
+        let seen = if r.collaborative.is_empty() {
+            0.0
+        } else {
+            let n = r
+                .collaborative
+                .iter()
+                .filter(|h| {
+                    items_of
+                        .entry(h.memory_id)
+                        .or_insert_with(|| {
+                            view.memory(h.memory_id).map_or_else(HashSet::new, |m| {
+                                m.items.iter().map(String::as_str).collect()
+                            })
+                        })
+                        .contains(item.as_str())
+                })
+                .count();
+            n as f32 / r.collaborative.len() as f32
+        };
+        let ranked = Ranked {
+            item_id: item.clone(),
+            score: local + p.collab_weight * collab + p.seen_weight * seen,
+            local,
+            collab,
+            seen,
+            memory_id: r.local.first().map(|h| h.memory_id),
+        };
+        out.push((i, ranked));
+    }
+    out.sort_by(|a, b| b.1.score.total_cmp(&a.1.score).then(a.0.cmp(&b.0)));
+    out.into_iter().map(|(_, r)| r).collect()
 }
 
 #[cfg(test)]

@@ -1,22 +1,33 @@
-//! The service's in-memory view of the tables: one searchable corpus per
-//! user, the STEAM state (for the local-to-global step and `recommend`),
-//! and the item catalogue.
+//! The service's view of the tables, bounded in memory.
 //!
-//! A [`Snapshot`] is immutable. The refresh task checks the tables' versions
-//! every `serve.refresh_interval`; when one changed, it reads the tables,
-//! builds a new snapshot off the async runtime and swaps it in. Requests
-//! hold an `Arc` of the snapshot they started with, so a reader never waits
+//! - [`Snapshot`]: what every request shares, loaded whole when its tables
+//!   change: the item catalogue, the published prototypes (content and
+//!   members) with the member → prototype map, and the table versions. It
+//!   grows with the catalogue and with the memories in published
+//!   communities (their ids), not with the rows users write.
+//! - [`Cache`]: each user's corpus and memories, and the members of the
+//!   prototypes their memories are in, read on a miss from LanceDB (BTree
+//!   indexes on `interactions.user_id`, `memories.user_id` and
+//!   `memories.memory_id`) and dropped least recently used first once
+//!   `serve.cache_bytes` are held.
+//! - The refresh task reads which rows changed between the versions it saw
+//!   ([`Tables::changed_rows`]: the fragments each commit added, rewrote or
+//!   deleted from) and evicts exactly the users and prototypes they belong to;
+//!   compactions and index updates change no content and evict nothing.
+//!
+//! Entries are immutable and handed out as `Arc`s, so a reader never waits
 //! for a refresh and never sees half of one, and the pipeline's writes never
 //! wait for readers (LanceDB readers read immutable versions).
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::{Int32Type, Int64Type, TimestampMillisecondType};
+use arrow_array::types::{Int32Type, Int64Type, TimestampMillisecondType, UInt64Type};
 use arrow_array::{Array, RecordBatch};
 use futures::TryStreamExt;
+use futures::future::BoxFuture;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
 use lancedb::{Connection, Table};
 use serde::Serialize;
@@ -24,7 +35,9 @@ use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::rfmem::VectorStore;
-use steamrf_operators::steam::{SteamParams, SteamState};
+use steamrf_operators::steam::memory::{Memory, UserMemories};
+use steamrf_operators::steam::retrieve::MemoryView;
+use steamrf_operators::steam::{MemoryId, Prototype};
 use steamrf_schemas::tables::EMBEDDING_DIM;
 
 use crate::config::{CorpusKind, ServeConfig};
@@ -62,6 +75,19 @@ pub struct Entry {
     pub source: Option<(i32, i64)>,
 }
 
+impl Entry {
+    fn bytes(&self) -> usize {
+        size_of::<Self>()
+            + self.id.len()
+            + self.content.len()
+            + self
+                .source_event_ids
+                .iter()
+                .map(|s| s.len() + size_of::<String>())
+                .sum::<usize>()
+    }
+}
+
 /// One user's corpus.
 #[derive(Debug)]
 pub struct UserCorpus {
@@ -71,8 +97,70 @@ pub struct UserCorpus {
     pub store: VectorStore,
 }
 
+/// What the service holds for one user.
+#[derive(Debug)]
+pub struct UserData {
+    /// The searchable rows.
+    pub corpus: UserCorpus,
+    /// The user's STEAM memories (the local step of local-to-global).
+    pub memories: UserMemories,
+    /// Clicks on items the catalogue did not have were left out; a
+    /// catalogue change evicts such entries.
+    pub unresolved: bool,
+    /// Estimated heap bytes (what `serve.cache_bytes` counts).
+    pub bytes: usize,
+}
+
+impl UserData {
+    /// A user with nothing stored.
+    pub fn empty(user_id: &str) -> Self {
+        Self {
+            corpus: UserCorpus {
+                entries: Vec::new(),
+                store: VectorStore::flat(Corpus::new(EMBEDDING_DIM), CpuKernel::default()),
+            },
+            memories: UserMemories::new(user_id),
+            unresolved: false,
+            bytes: 0,
+        }
+    }
+}
+
+/// Other users' memories in one published community: what the
+/// local-to-global step scores and recommends from.
+#[derive(Debug, Default)]
+pub struct Members {
+    /// By id.
+    pub memories: HashMap<MemoryId, Memory>,
+    /// Estimated heap bytes.
+    pub bytes: usize,
+}
+
+fn memory_bytes(m: &Memory) -> usize {
+    size_of::<Memory>()
+        + m.user_id.len()
+        + m.content.len()
+        + m.embedding.len() * 4
+        + m.interactions
+            .iter()
+            .chain(&m.items)
+            .chain(&m.recent)
+            .map(|s| s.len() + 24)
+            .sum::<usize>()
+        + m.facets.keys().map(|k| k.len() + 48).sum::<usize>()
+}
+
+impl Members {
+    /// Members from memories.
+    pub fn new(memories: impl IntoIterator<Item = Memory>) -> Self {
+        let memories: HashMap<MemoryId, Memory> = memories.into_iter().map(|m| (m.id, m)).collect();
+        let bytes = memories.values().map(|m| memory_bytes(m) + 16).sum();
+        Self { memories, bytes }
+    }
+}
+
 /// An item of the catalogue.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ItemInfo {
     /// Its title.
     pub title: String,
@@ -80,43 +168,316 @@ pub struct ItemInfo {
     pub embedding: Vec<f32>,
 }
 
-/// An immutable view of the tables.
-#[derive(Debug)]
+/// What every request shares (see the module docs).
+#[derive(Debug, Default)]
 pub struct Snapshot {
-    /// Per user.
-    pub users: HashMap<String, Arc<UserCorpus>>,
-    /// Memories, links, communities, prototypes.
-    pub steam: SteamState,
     /// The catalogue (items with an embedding).
-    pub items: HashMap<String, ItemInfo>,
-    /// The table versions it was read from (absent tables: 0).
+    pub items: Arc<HashMap<String, ItemInfo>>,
+    /// Published prototypes, by community id.
+    pub prototypes: Arc<HashMap<MemoryId, Prototype>>,
+    /// The published community of each member memory.
+    pub community_of: Arc<HashMap<MemoryId, MemoryId>>,
+    /// The table versions it reflects (absent tables: 0).
     pub versions: BTreeMap<&'static str, u64>,
-    /// How long reading and building took.
+    /// How long the last refresh took.
     pub load_time: Duration,
 }
 
 impl Snapshot {
-    /// An empty snapshot (before the first load).
-    pub fn empty(params: SteamParams) -> Self {
+    /// The shared part over `prototypes` and `items`.
+    pub fn new(items: HashMap<String, ItemInfo>, prototypes: HashMap<MemoryId, Prototype>) -> Self {
+        let community_of = prototypes
+            .values()
+            .flat_map(|p| p.members.iter().map(move |&m| (m, p.id)))
+            .collect();
         Self {
-            users: HashMap::new(),
-            steam: SteamState::new(params, EMBEDDING_DIM),
-            items: HashMap::new(),
+            items: Arc::new(items),
+            prototypes: Arc::new(prototypes),
+            community_of: Arc::new(community_of),
             versions: BTreeMap::new(),
             load_time: Duration::ZERO,
         }
     }
 
-    /// Rows over every user.
-    pub fn rows(&self) -> usize {
-        self.users.values().map(|u| u.entries.len()).sum()
+    /// The prototypes `user`'s memories are in.
+    pub fn prototypes_of(&self, user: &UserData) -> Vec<MemoryId> {
+        let mut out: Vec<MemoryId> = user
+            .memories
+            .memories
+            .iter()
+            .filter_map(|m| self.community_of.get(&m.id).copied())
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+}
+
+/// One request's STEAM view: the shared snapshot, the user, and the
+/// members of the user's communities.
+#[derive(Debug)]
+pub struct View<'a> {
+    /// The shared part.
+    pub snap: &'a Snapshot,
+    /// The user asking.
+    pub user: &'a UserData,
+    /// Members of the prototypes the user's memories are in.
+    pub members: &'a [Arc<Members>],
+}
+
+impl MemoryView for View<'_> {
+    fn user(&self, user_id: &str) -> Option<&UserMemories> {
+        (self.user.memories.user_id == user_id).then_some(&self.user.memories)
+    }
+    fn community_of(&self, m: MemoryId) -> Option<MemoryId> {
+        self.snap.community_of.get(&m).copied()
+    }
+    fn prototype(&self, c: MemoryId) -> Option<&Prototype> {
+        self.snap.prototypes.get(&c)
+    }
+    fn memory(&self, id: MemoryId) -> Option<&Memory> {
+        self.user
+            .memories
+            .memories
+            .iter()
+            .find(|m| m.id == id)
+            .or_else(|| self.members.iter().find_map(|g| g.memories.get(&id)))
+    }
+}
+
+/// Where the cache reads from on a miss: the tables ([`Tables`]), or a fixed
+/// set in tests.
+pub trait Loader: Send + Sync {
+    /// One user's rows and memories.
+    fn user<'a>(
+        &'a self,
+        cfg: &'a ServeConfig,
+        snap: &'a Snapshot,
+        user_id: &'a str,
+    ) -> BoxFuture<'a, Result<UserData>>;
+
+    /// The memories with these ids (those that exist).
+    fn memories<'a>(&'a self, ids: &'a [MemoryId]) -> BoxFuture<'a, Result<Vec<Memory>>>;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    User(String),
+    Members(MemoryId),
+}
+
+#[derive(Debug, Clone)]
+enum Value {
+    User(Arc<UserData>),
+    Members(Arc<Members>),
+}
+
+impl Value {
+    fn bytes(&self) -> usize {
+        match self {
+            Self::User(u) => u.bytes,
+            Self::Members(m) => m.bytes,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Lru {
+    map: HashMap<Key, (Value, u64)>,
+    /// Last use → key; the first entry is the least recently used.
+    order: BTreeMap<u64, Key>,
+    used: usize,
+    tick: u64,
+    generation: u64,
+}
+
+impl Lru {
+    fn get(&mut self, k: &Key) -> Option<Value> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (v, last) = self.map.get_mut(k)?;
+        self.order.remove(last);
+        *last = tick;
+        self.order.insert(tick, k.clone());
+        Some(v.clone())
+    }
+
+    fn remove(&mut self, k: &Key) -> bool {
+        match self.map.remove(k) {
+            Some((v, last)) => {
+                self.order.remove(&last);
+                self.used -= v.bytes();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// What [`Cache::invalidate`] drops.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// Users whose rows or memories changed.
+    pub users: HashSet<String>,
+    /// Prototypes whose members (or a member's content) changed.
+    pub prototypes: HashSet<MemoryId>,
+    /// Users whose entries left out clicks on then-unknown items (the
+    /// catalogue gained items).
+    pub unresolved: bool,
+    /// Everything (changes that cannot be told apart).
+    pub all: bool,
+}
+
+impl Changes {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.users.is_empty() && self.prototypes.is_empty() && !self.unresolved && !self.all
+    }
+}
+
+/// Cache statistics, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Estimated bytes held.
+    pub bytes: usize,
+    /// User entries.
+    pub users: usize,
+    /// Prototype member entries.
+    pub prototypes: usize,
+}
+
+/// Users and prototype members, bounded in bytes, least recently used out
+/// first (see the module docs).
+#[derive(Debug)]
+pub struct Cache {
+    budget: usize,
+    inner: Mutex<Lru>,
+}
+
+impl Cache {
+    /// A cache holding about `budget` bytes at most.
+    pub fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            inner: Mutex::new(Lru::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A cached user.
+    pub fn user(&self, id: &str) -> Option<Arc<UserData>> {
+        match self.lock().get(&Key::User(id.to_owned())) {
+            Some(Value::User(u)) => Some(u),
+            _ => None,
+        }
+    }
+
+    /// Cached members of a prototype.
+    pub fn members(&self, prototype: MemoryId) -> Option<Arc<Members>> {
+        match self.lock().get(&Key::Members(prototype)) {
+            Some(Value::Members(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Counts invalidations: a fill that began before one may hold rows it
+    /// changed, so it is answered from but not kept.
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Keeps a user read while the generation was `since`; returns the
+    /// entries evicted to make room.
+    pub fn insert_user(&self, id: &str, data: Arc<UserData>, since: u64) -> usize {
+        self.insert(Key::User(id.to_owned()), Value::User(data), since)
+    }
+
+    /// Keeps a prototype's members read while the generation was `since`.
+    pub fn insert_members(&self, prototype: MemoryId, m: Arc<Members>, since: u64) -> usize {
+        self.insert(Key::Members(prototype), Value::Members(m), since)
+    }
+
+    fn insert(&self, k: Key, v: Value, since: u64) -> usize {
+        let bytes = v.bytes();
+        // One entry may take a quarter of the budget at most, so that one
+        // huge user cannot flush everyone else.
+        if bytes > self.budget / 4 {
+            return 0;
+        }
+        let mut lru = self.lock();
+        if lru.generation != since {
+            return 0;
+        }
+        lru.remove(&k);
+        let mut evicted = 0;
+        while lru.used + bytes > self.budget {
+            let Some((_, oldest)) = lru.order.pop_first() else {
+                break;
+            };
+            if let Some((old, _)) = lru.map.remove(&oldest) {
+                lru.used -= old.bytes();
+                evicted += 1;
+            }
+        }
+        lru.tick += 1;
+        let tick = lru.tick;
+        lru.order.insert(tick, k.clone());
+        lru.map.insert(k, (v, tick));
+        lru.used += bytes;
+        evicted
+    }
+
+    /// Drops what `c` names and starts a new generation; returns the
+    /// entries dropped.
+    pub fn invalidate(&self, c: &Changes) -> usize {
+        if c.is_empty() {
+            return 0;
+        }
+        let mut lru = self.lock();
+        lru.generation += 1;
+        if c.all {
+            let n = lru.map.len();
+            lru.map.clear();
+            lru.order.clear();
+            lru.used = 0;
+            return n;
+        }
+        let mut doomed: Vec<Key> = c
+            .users
+            .iter()
+            .map(|u| Key::User(u.clone()))
+            .chain(c.prototypes.iter().map(|&p| Key::Members(p)))
+            .collect();
+        if c.unresolved {
+            doomed.extend(lru.map.iter().filter_map(|(k, (v, _))| match v {
+                Value::User(u) if u.unresolved => Some(k.clone()),
+                _ => None,
+            }));
+        }
+        doomed.iter().filter(|k| lru.remove(k)).count()
+    }
+
+    /// What is held.
+    pub fn stats(&self) -> CacheStats {
+        let lru = self.lock();
+        let users = lru.map.keys().filter(|k| matches!(k, Key::User(_))).count();
+        CacheStats {
+            bytes: lru.used,
+            users,
+            prototypes: lru.map.len() - users,
+        }
     }
 }
 
 /// The tables the service reads (opened once they exist).
 pub struct Tables {
     db: Connection,
-    open: BTreeMap<&'static str, Table>,
+    open: std::sync::RwLock<BTreeMap<&'static str, Table>>,
 }
 
 /// The `interactions` columns a corpus is built from, in the order `build` reads them.
@@ -134,7 +495,7 @@ const INTERACTION_COLUMNS: &[&str] = &[
     "source_offset",
 ];
 
-/// Every table read, in a fixed order.
+/// Every table whose version is watched, in a fixed order.
 pub const TABLES: [&str; 5] = [
     "interactions",
     "items",
@@ -146,9 +507,18 @@ pub const TABLES: [&str; 5] = [
 impl std::fmt::Debug for Tables {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tables")
-            .field("open", &self.open.keys().collect::<Vec<_>>())
+            .field("open", &self.read().keys().collect::<Vec<_>>())
             .finish()
     }
+}
+
+/// A SQL string literal.
+fn literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+fn lance_err(context: &str) -> impl FnOnce(lance::Error) -> Error + '_ {
+    move |e| Error::lance(context.to_owned())(lancedb::Error::from(e))
 }
 
 impl Tables {
@@ -156,30 +526,45 @@ impl Tables {
     pub fn new(db: Connection) -> Self {
         Self {
             db,
-            open: BTreeMap::new(),
+            open: std::sync::RwLock::new(BTreeMap::new()),
         }
     }
 
-    /// Each table's latest version (0: not created yet).
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<&'static str, Table>> {
+        self.open
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn table(&self, name: &str) -> Option<Table> {
+        self.read().get(name).cloned()
+    }
+
+    /// Each table's latest version (0: not created yet). The handles move
+    /// to those versions, so later reads see at least them.
     ///
     /// # Errors
     /// LanceDB failures other than a missing table.
-    pub async fn versions(&mut self) -> Result<BTreeMap<&'static str, u64>> {
+    pub async fn versions(&self) -> Result<BTreeMap<&'static str, u64>> {
         let mut out = BTreeMap::new();
         for name in TABLES {
-            if !self.open.contains_key(name) {
-                match self.db.open_table(name).execute().await {
+            let t = match self.table(name) {
+                Some(t) => t,
+                None => match self.db.open_table(name).execute().await {
                     Ok(t) => {
-                        self.open.insert(name, t);
+                        self.open
+                            .write()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .insert(name, t.clone());
+                        t
                     }
                     Err(lancedb::Error::TableNotFound { .. }) => {
                         out.insert(name, 0);
                         continue;
                     }
                     Err(e) => return Err(Error::lance(format!("opening {name}"))(e)),
-                }
-            }
-            let t = &self.open[name];
+                },
+            };
             t.checkout_latest()
                 .await
                 .map_err(Error::lance(format!("refreshing {name}")))?;
@@ -192,59 +577,303 @@ impl Tables {
         Ok(out)
     }
 
-    async fn scan(&self, name: &str, columns: &[&str]) -> Result<Vec<RecordBatch>> {
-        let Some(t) = self.open.get(name) else {
+    async fn query(
+        &self,
+        name: &str,
+        columns: &[&str],
+        filter: Option<String>,
+    ) -> Result<Vec<RecordBatch>> {
+        let Some(t) = self.table(name) else {
             return Ok(Vec::new());
         };
-        t.query()
-            .select(Select::columns(columns))
-            .execute()
+        let mut q = t.query().select(Select::columns(columns));
+        if let Some(f) = filter {
+            q = q.only_if(f);
+        }
+        q.execute()
             .await
-            .map_err(Error::lance(format!("scanning {name}")))?
+            .map_err(Error::lance(format!("reading {name}")))?
             .try_collect()
             .await
-            .map_err(Error::lance(format!("scanning {name}")))
+            .map_err(Error::lance(format!("reading {name}")))
     }
 
-    /// Reads everything the service needs and builds a snapshot (the CPU
-    /// part on a blocking thread).
+    /// Reads the shared part: the catalogue and the published prototypes.
     ///
     /// # Errors
     /// LanceDB failures.
-    pub async fn load(
-        &mut self,
-        cfg: &ServeConfig,
-        params: SteamParams,
-        versions: BTreeMap<&'static str, u64>,
-    ) -> Result<Snapshot> {
-        let started = Instant::now();
-        let interactions = self.scan("interactions", INTERACTION_COLUMNS).await?;
+    pub async fn load_shared(&self) -> Result<Snapshot> {
         let items = self
-            .scan("items", &["item_id", "title", "embedding"])
+            .query("items", &["item_id", "title", "embedding"], None)
             .await?;
-        let steam = match (self.open.get("memories"), self.open.get("memory_links")) {
-            (Some(m), Some(l)) => crate::steam::load_state(m, l, params).await?,
-            _ => SteamState::new(params, EMBEDDING_DIM),
+        let protos = self
+            .query(
+                "prototypes",
+                &[
+                    "prototype_id",
+                    "content",
+                    "embedding",
+                    "member_ids",
+                    "users",
+                ],
+                None,
+            )
+            .await?;
+        tokio::task::spawn_blocking(move || Snapshot::new(catalogue(&items), prototypes(&protos)))
+            .await
+            .map_err(|e| Error::Internal {
+                message: format!("reading the catalogue panicked: {e}"),
+            })
+    }
+
+    /// The rows of `name` that versions after `from` up to the handle's
+    /// current one added, rewrote or deleted, projected on `columns`:
+    /// read from the fragments each commit touched (for a deletion, the
+    /// deleted rows of the version before). Commits that move rows without
+    /// changing them (compaction, index updates) are skipped. `None` when
+    /// the changes cannot be told (`from` is 0, a version was cleaned up, the
+    /// table was overwritten or restored): the caller drops everything.
+    ///
+    /// # Errors
+    /// LanceDB failures reading fragments.
+    pub async fn changed_rows(
+        &self,
+        name: &str,
+        from: u64,
+        columns: &[&str],
+    ) -> Result<Option<Vec<RecordBatch>>> {
+        let Some(t) = self.table(name) else {
+            return Ok(None);
         };
-        let prototypes = self
-            .scan("prototypes", &["prototype_id", "content"])
-            .await?;
-        let cfg = cfg.clone();
-        let mut snap = tokio::task::spawn_blocking(move || {
-            build(&cfg, steam, &interactions, &items, &prototypes, versions)
-        })
+        let Some(ds) = t.dataset() else {
+            return Ok(None);
+        };
+        let base = ds
+            .get()
+            .await
+            .map_err(Error::lance(format!("opening {name}")))?;
+        let to = base.version().version;
+        if from == 0 || from > to {
+            return Ok(None);
+        }
+        let ctx = format!("reading the changes of {name}");
+        let Ok(mut prev) = base.checkout_version(from).await else {
+            return Ok(None);
+        };
+        let mut out = Vec::new();
+        for v in from + 1..=to {
+            let Ok(cur) = base.checkout_version(v).await else {
+                return Ok(None);
+            };
+            let op = cur
+                .read_transaction()
+                .await
+                .map_err(lance_err(&ctx))?
+                .map(|t| t.operation.name().to_owned());
+            match op.as_deref() {
+                // Same rows, moved or indexed.
+                Some("Rewrite" | "CreateIndex" | "ReserveFragments" | "UpdateConfig") => {}
+                Some(
+                    "Append" | "Delete" | "Update" | "Merge" | "DataReplacement" | "DataOverlay",
+                ) => {
+                    fragment_changes(&prev, &cur, columns, &ctx, &mut out).await?;
+                }
+                _ => return Ok(None),
+            }
+            prev = cur;
+        }
+        Ok(Some(out))
+    }
+}
+
+/// Appends to `out` the rows that differ between two consecutive versions
+/// of a dataset, fragment by fragment.
+async fn fragment_changes(
+    prev: &lance::Dataset,
+    cur: &lance::Dataset,
+    columns: &[&str],
+    ctx: &str,
+    out: &mut Vec<RecordBatch>,
+) -> Result<()> {
+    let before: HashMap<u64, _> = prev.fragments().iter().map(|f| (f.id, f)).collect();
+    let after: HashSet<u64> = cur.fragments().iter().map(|f| f.id).collect();
+    for f in cur.fragments().iter() {
+        match before.get(&f.id) {
+            None => out.extend(scan_fragment(cur, f.clone(), columns, None, ctx).await?),
+            Some(p) if p.files != f.files || p.overlays != f.overlays => {
+                out.extend(scan_fragment(cur, f.clone(), columns, None, ctx).await?);
+                out.extend(scan_fragment(prev, (*p).clone(), columns, None, ctx).await?);
+            }
+            Some(p) if p.deletion_file != f.deletion_file => {
+                // Rows live before and deleted now.
+                let dv = match cur.get_fragment(f.id as usize) {
+                    Some(ff) => ff.get_deletion_vector().await.map_err(lance_err(ctx))?,
+                    None => None,
+                };
+                if let Some(dv) = dv {
+                    let rows =
+                        scan_fragment(prev, (*p).clone(), columns, Some(&|o| dv.contains(o)), ctx)
+                            .await?;
+                    out.extend(rows);
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    for p in prev.fragments().iter().filter(|p| !after.contains(&p.id)) {
+        out.extend(scan_fragment(prev, p.clone(), columns, None, ctx).await?);
+    }
+    Ok(())
+}
+
+/// `columns` of one fragment's live rows; with `keep`, only the rows whose
+/// offset in the fragment it accepts.
+async fn scan_fragment(
+    ds: &lance::Dataset,
+    fragment: lance::table::format::Fragment,
+    columns: &[&str],
+    keep: Option<&(dyn Fn(u32) -> bool + Sync)>,
+    ctx: &str,
+) -> Result<Vec<RecordBatch>> {
+    let mut scan = ds.scan();
+    scan.with_fragments(vec![fragment])
+        .project(columns)
+        .map_err(lance_err(ctx))?;
+    if keep.is_some() {
+        scan.with_row_address();
+    }
+    let batches: Vec<RecordBatch> = scan
+        .try_into_stream()
         .await
-        .map_err(|e| Error::Internal {
-            message: format!("snapshot build panicked: {e}"),
-        })??;
-        snap.load_time = started.elapsed();
-        Ok(snap)
+        .map_err(lance_err(ctx))?
+        .try_collect()
+        .await
+        .map_err(lance_err(ctx))?;
+    let Some(keep) = keep else {
+        return Ok(batches);
+    };
+    let mut out = Vec::with_capacity(batches.len());
+    for b in batches {
+        let Some(addr) = b.column_by_name("_rowaddr") else {
+            return Err(Error::Internal {
+                message: format!("{ctx}: a scan with row addresses returned none"),
+            });
+        };
+        let mask: arrow_array::BooleanArray = addr
+            .as_primitive::<UInt64Type>()
+            .values()
+            .iter()
+            .map(|&a| Some(keep((a & 0xFFFF_FFFF) as u32)))
+            .collect();
+        out.push(arrow_select::filter::filter_record_batch(&b, &mask)?);
+    }
+    Ok(out)
+}
+
+impl Loader for Tables {
+    fn user<'a>(
+        &'a self,
+        cfg: &'a ServeConfig,
+        snap: &'a Snapshot,
+        user_id: &'a str,
+    ) -> BoxFuture<'a, Result<UserData>> {
+        Box::pin(async move {
+            let filter = format!("user_id = {}", literal(user_id));
+            let (interactions, memories) = futures::try_join!(
+                self.query("interactions", INTERACTION_COLUMNS, Some(filter.clone())),
+                self.query("memories", crate::steam::MEMORY_COLUMNS, Some(filter)),
+            )?;
+            let mut mems = Vec::new();
+            for b in &memories {
+                mems.extend(crate::steam::memories_from(b)?);
+            }
+            build_user(cfg, &snap.items, user_id, &interactions, mems)
+        })
+    }
+
+    fn memories<'a>(&'a self, ids: &'a [MemoryId]) -> BoxFuture<'a, Result<Vec<Memory>>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(ids.len());
+            for chunk in ids.chunks(1024) {
+                let list = chunk
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",");
+                let batches = self
+                    .query(
+                        "memories",
+                        crate::steam::MEMORY_COLUMNS,
+                        Some(format!("memory_id IN ({list})")),
+                    )
+                    .await?;
+                for b in &batches {
+                    out.extend(crate::steam::memories_from(b)?);
+                }
+            }
+            Ok(out)
+        })
     }
 }
 
 fn opt_str(col: &dyn Array, row: usize) -> Option<&str> {
     let s = col.as_string::<i32>();
     (!s.is_null(row)).then(|| s.value(row))
+}
+
+/// The catalogue in `items` batches (`item_id`, `title`, `embedding`).
+pub fn catalogue(items: &[RecordBatch]) -> HashMap<String, ItemInfo> {
+    let mut out = HashMap::new();
+    for b in items {
+        let id = b.column(0).as_string::<i32>();
+        let title = b.column(1).as_string::<i32>();
+        for r in 0..b.num_rows() {
+            if let Some(e) = vector(b.column(2), r) {
+                out.insert(
+                    id.value(r).to_owned(),
+                    ItemInfo {
+                        title: title.value(r).to_owned(),
+                        embedding: e.to_vec(),
+                    },
+                );
+            }
+        }
+    }
+    out
+}
+
+/// The prototypes in `prototypes` batches (`prototype_id`, `content`,
+/// `embedding`, `member_ids`, `users`).
+fn prototypes(batches: &[RecordBatch]) -> HashMap<MemoryId, Prototype> {
+    let mut out = HashMap::new();
+    for b in batches {
+        let id = b.column(0).as_primitive::<Int64Type>();
+        let content = b.column(1).as_string::<i32>();
+        let members = b.column(3).as_list::<i32>();
+        let users = b.column(4).as_primitive::<Int32Type>();
+        for r in 0..b.num_rows() {
+            let pid = id.value(r) as MemoryId;
+            out.insert(
+                pid,
+                Prototype {
+                    id: pid,
+                    content: content.value(r).to_owned(),
+                    embedding: vector(b.column(2), r)
+                        .map(<[f32]>::to_vec)
+                        .unwrap_or_default(),
+                    members: members
+                        .value(r)
+                        .as_primitive::<Int64Type>()
+                        .values()
+                        .iter()
+                        .map(|&m| m as MemoryId)
+                        .collect(),
+                    users: usize::try_from(users.value(r)).unwrap_or(0),
+                },
+            );
+        }
+    }
+    out
 }
 
 struct Row {
@@ -261,56 +890,30 @@ struct Turn {
     source: Option<(i32, i64)>,
 }
 
-#[derive(Default)]
-struct Session {
-    turns: Vec<Turn>,
-}
-
-fn build(
+/// One user's [`UserData`] from their `interactions` rows (columns
+/// [`INTERACTION_COLUMNS`]) and memories.
+///
+/// # Errors
+/// Vectors of the wrong length.
+pub fn build_user(
     cfg: &ServeConfig,
-    mut steam: SteamState,
+    catalogue: &HashMap<String, ItemInfo>,
+    user_id: &str,
     interactions: &[RecordBatch],
-    items: &[RecordBatch],
-    prototypes: &[RecordBatch],
-    versions: BTreeMap<&'static str, u64>,
-) -> Result<Snapshot> {
+    memories: Vec<Memory>,
+) -> Result<UserData> {
     let want = |k: CorpusKind| cfg.kinds.contains(&k);
-    let mut catalogue = HashMap::new();
-    for b in items {
-        let id = b.column(0).as_string::<i32>();
-        let title = b.column(1).as_string::<i32>();
-        for r in 0..b.num_rows() {
-            if let Some(e) = vector(b.column(2), r) {
-                catalogue.insert(
-                    id.value(r).to_owned(),
-                    ItemInfo {
-                        title: title.value(r).to_owned(),
-                        embedding: e.to_vec(),
-                    },
-                );
-            }
-        }
-    }
-    for b in prototypes {
-        let id = b.column(0).as_primitive::<Int64Type>();
-        let content = b.column(1).as_string::<i32>();
-        for r in 0..b.num_rows() {
-            // The table holds LLM-written contents when an LLM is configured.
-            steam.set_prototype_content(id.value(r) as u64, content.value(r).to_owned());
-        }
-    }
-    let mut rows: HashMap<String, Vec<Row>> = HashMap::new();
-    let mut sessions: BTreeMap<(String, String), Session> = BTreeMap::new();
+    let mut rows: Vec<Row> = Vec::new();
+    let mut unresolved = false;
+    let mut sessions: BTreeMap<String, Vec<Turn>> = BTreeMap::new();
     for b in interactions {
         let event = b.column(0).as_string::<i32>();
         let kind = b.column(1).as_string::<i32>();
-        let user = b.column(2).as_string::<i32>();
         let ts = b.column(3).as_primitive::<TimestampMillisecondType>();
         let part = b.column(9).as_primitive::<Int32Type>();
         let offset = b.column(10).as_primitive::<Int64Type>();
         for r in 0..b.num_rows() {
             let source = Some((part.value(r), offset.value(r)));
-            let user_id = user.value(r);
             if let (Some(text), Some(e)) = (opt_str(b.column(7), r), vector(b.column(8), r)) {
                 if !want(CorpusKind::Dialogue) {
                     continue;
@@ -320,20 +923,16 @@ fn build(
                 if cfg.group_sessions
                     && let Some(s) = opt_str(b.column(5), r)
                 {
-                    sessions
-                        .entry((user_id.to_owned(), s.to_owned()))
-                        .or_default()
-                        .turns
-                        .push(Turn {
-                            ts: ts.value(r),
-                            event_id: event.value(r).to_owned(),
-                            content,
-                            vector: e.to_vec(),
-                            source,
-                        });
+                    sessions.entry(s.to_owned()).or_default().push(Turn {
+                        ts: ts.value(r),
+                        event_id: event.value(r).to_owned(),
+                        content,
+                        vector: e.to_vec(),
+                        source,
+                    });
                     continue;
                 }
-                rows.entry(user_id.to_owned()).or_default().push(Row {
+                rows.push(Row {
                     entry: Entry {
                         kind: EntryKind::Dialogue,
                         id: event.value(r).to_owned(),
@@ -350,9 +949,10 @@ fn build(
                     continue;
                 }
                 let Some(info) = catalogue.get(item) else {
+                    unresolved = true;
                     continue;
                 };
-                rows.entry(user_id.to_owned()).or_default().push(Row {
+                rows.push(Row {
                     entry: Entry {
                         kind: EntryKind::Interaction,
                         id: event.value(r).to_owned(),
@@ -367,96 +967,95 @@ fn build(
             }
         }
     }
-    for ((user, session), mut s) in sessions {
-        s.turns
-            .sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.event_id.cmp(&b.event_id)));
+    for (session, mut turns) in sessions {
+        turns.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.event_id.cmp(&b.event_id)));
         let mut v = vec![0.0f32; EMBEDDING_DIM];
-        for t in &s.turns {
+        for t in &turns {
             v.iter_mut().zip(&t.vector).for_each(|(a, b)| *a += b);
         }
-        rows.entry(user).or_default().push(Row {
+        rows.push(Row {
             entry: Entry {
                 kind: EntryKind::Session,
                 id: session,
-                content: s
-                    .turns
+                content: turns
                     .iter()
                     .map(|t| t.content.as_str())
                     .collect::<Vec<_>>()
                     .join("\n"),
                 table: "interactions",
-                source_event_ids: s.turns.iter().map(|t| t.event_id.clone()).collect(),
-                source: s.turns.first().and_then(|t| t.source),
+                source_event_ids: turns.iter().map(|t| t.event_id.clone()).collect(),
+                source: turns.first().and_then(|t| t.source),
             },
             vector: v,
-            ts: s.turns.first().map_or(0, |t| t.ts),
+            ts: turns.first().map_or(0, |t| t.ts),
         });
     }
-    if want(CorpusKind::Memory) {
-        let users: Vec<String> = steam.user_ids().map(str::to_owned).collect();
-        for u in users {
-            let Some(mems) = steam.user(&u) else {
-                continue;
-            };
-            for m in &mems.memories {
-                rows.entry(u.clone()).or_default().push(Row {
-                    entry: Entry {
-                        kind: EntryKind::Memory,
-                        id: m.id.to_string(),
-                        content: m.content.clone(),
-                        table: "memories",
-                        source_event_ids: m.interactions.clone(),
-                        source: None,
-                    },
-                    vector: m.embedding.clone(),
-                    ts: m.created_ms,
-                });
-            }
-        }
-    }
-    let kernel = CpuKernel {
-        threads: cfg.search_threads,
-        ..CpuKernel::default()
-    };
-    let builder = CpuKernel::default();
-    let mut users = HashMap::with_capacity(rows.len());
-    for (user, mut list) in rows {
-        // A stable row order: by time, then id.
-        list.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.entry.id.cmp(&b.entry.id)));
-        let mut flat = Vec::with_capacity(list.len() * EMBEDDING_DIM);
-        let mut entries = Vec::with_capacity(list.len());
-        for r in list {
-            flat.extend_from_slice(&r.vector);
-            entries.push(r.entry);
-        }
-        let corpus = Corpus::from_vec(flat, EMBEDDING_DIM).map_err(internal)?;
-        let store = if entries.len() >= cfg.ivf_min_rows {
-            VectorStore::ivf(
-                corpus,
-                &IvfParams {
-                    probes: cfg.ivf_probes,
-                    ..IvfParams::default()
+    let mut mems = UserMemories::new(user_id);
+    for m in memories {
+        if want(CorpusKind::Memory) {
+            rows.push(Row {
+                entry: Entry {
+                    kind: EntryKind::Memory,
+                    id: m.id.to_string(),
+                    content: m.content.clone(),
+                    table: "memories",
+                    source_event_ids: m.interactions.clone(),
+                    source: None,
                 },
-                builder,
-            )
-            .map_err(internal)?
-        } else {
-            VectorStore::flat(corpus, kernel)
-        };
-        users.insert(user, Arc::new(UserCorpus { entries, store }));
+                vector: m.embedding.clone(),
+                ts: m.created_ms,
+            });
+        }
+        mems.memories.push(m);
     }
-    Ok(Snapshot {
-        users,
-        steam,
-        items: catalogue,
-        versions,
-        load_time: Duration::ZERO,
+    // Formation order, as the write path keeps them.
+    mems.memories
+        .sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
+    // A stable row order: by time, then id.
+    rows.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.entry.id.cmp(&b.entry.id)));
+    let mut flat = Vec::with_capacity(rows.len() * EMBEDDING_DIM);
+    let mut entries = Vec::with_capacity(rows.len());
+    for r in rows {
+        flat.extend_from_slice(&r.vector);
+        entries.push(r.entry);
+    }
+    let vector_bytes = flat.len() * 4;
+    let corpus = Corpus::from_vec(flat, EMBEDDING_DIM).map_err(internal)?;
+    let store = if entries.len() >= cfg.ivf_min_rows {
+        VectorStore::ivf(
+            corpus,
+            &IvfParams {
+                probes: cfg.ivf_probes,
+                ..IvfParams::default()
+            },
+            CpuKernel::default(),
+        )
+        .map_err(internal)?
+    } else {
+        VectorStore::flat(
+            corpus,
+            CpuKernel {
+                threads: cfg.search_threads,
+                ..CpuKernel::default()
+            },
+        )
+    };
+    let bytes = size_of::<UserData>()
+        + user_id.len() * 2
+        + vector_bytes
+        + entries.iter().map(Entry::bytes).sum::<usize>()
+        + mems.memories.iter().map(memory_bytes).sum::<usize>();
+    Ok(UserData {
+        corpus: UserCorpus { entries, store },
+        memories: mems,
+        unresolved,
+        bytes,
     })
 }
 
 fn internal(e: impl std::fmt::Display) -> Error {
     Error::Internal {
-        message: format!("building the retrieval snapshot: {e}"),
+        message: format!("building a user's corpus: {e}"),
     }
 }
 
@@ -514,18 +1113,21 @@ mod tests {
         )
     }
 
-    fn load(group_sessions: bool) -> Snapshot {
+    fn load(group_sessions: bool) -> (UserData, HashMap<String, ItemInfo>) {
         let mut cfg = Config::load_with_env(None, []).unwrap().serve;
         cfg.group_sessions = group_sessions;
         let (inter, items) = tables();
-        let steam = SteamState::new(SteamParams::default(), EMBEDDING_DIM);
-        build(&cfg, steam, &[inter], &[items], &[], BTreeMap::new()).unwrap()
+        let items = catalogue(&[items]);
+        (
+            build_user(&cfg, &items, "u", &[inter], Vec::new()).unwrap(),
+            items,
+        )
     }
 
     #[test]
     fn turns_and_interactions_become_rows_with_provenance() {
-        let s = load(false);
-        let u = &s.users["u"];
+        let (u, items) = load(false);
+        let u = &u.corpus;
         let rows: Vec<(EntryKind, &str, &str)> = u
             .entries
             .iter()
@@ -545,13 +1147,14 @@ mod tests {
         // Row i of the store is entry i: t1 was embedded as axis 1.
         assert_eq!(u.store.vector(0)[1], 1.0);
         assert_eq!(u.store.vector(3)[3], 1.0);
-        assert!(s.items.contains_key("i1"));
+        assert!(items.contains_key("i1"));
     }
 
     #[test]
     fn sessions_group_their_turns_in_order() {
-        let s = load(true);
-        let u = &s.users["u"];
+        let (u, _) = load(true);
+        assert!(u.unresolved, "the click on an unknown item was left out");
+        let u = &u.corpus;
         let s1 = u.entries.iter().position(|e| e.id == "s1").unwrap();
         let e = &u.entries[s1];
         assert_eq!(e.kind, EntryKind::Session);
@@ -565,5 +1168,195 @@ mod tests {
         let h = std::f32::consts::FRAC_1_SQRT_2;
         assert!((v[0] - h).abs() < 1e-6 && (v[1] - h).abs() < 1e-6);
         assert_eq!(u.entries.len(), 3, "two sessions and a click");
+    }
+
+    fn turn(user: &str, id: &str, offset: i64) -> RecordBatch {
+        let json = format!(
+            r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{offset},"user_id":"{user}","session_id":"s","role":"user","text":"turn {id}"}}"#
+        );
+        let mut b = TableBuilders::default();
+        b.append(
+            &decode(json.as_bytes()).unwrap(),
+            Provenance {
+                partition: 0,
+                offset,
+                ingested_at_ms: 0,
+            },
+        );
+        let t = b.finish().unwrap();
+        with_embeddings(&t.interactions.unwrap(), &[0], &axis(offset as usize % 8)).unwrap()
+    }
+
+    fn users(batches: &[RecordBatch]) -> Vec<String> {
+        let mut out: Vec<String> = batches
+            .iter()
+            .flat_map(|b| {
+                b.column(0)
+                    .as_string::<i32>()
+                    .iter()
+                    .flatten()
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Through real LanceDB tables: a user is read by id; appends, deletes
+    /// and rewrites are told apart, so that exactly the users whose rows
+    /// changed are evicted and a compaction evicts nobody.
+    #[tokio::test]
+    async fn users_are_read_by_id_and_changes_name_exactly_their_users() {
+        use steamrf_schemas::TableName;
+
+        use crate::metrics::Metrics;
+        use crate::sink::LanceSink;
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::load_with_env(None, []).unwrap();
+        config.lancedb.uri = dir.path().to_str().unwrap().to_owned();
+        config.lancedb.reindex_rows = 1;
+        let sink = LanceSink::open(&config.lancedb, Metrics::new(&[]))
+            .await
+            .unwrap();
+        let t = TableName::Interactions;
+        sink.write(t, &turn("ann", "a1", 1)).await.unwrap();
+        sink.write(t, &turn("o'brien", "o1", 2)).await.unwrap();
+        sink.write(t, &turn("ben", "b1", 3)).await.unwrap();
+        let tables = Tables::new(crate::sink::connect(&config.lancedb).await.unwrap());
+        let v1 = tables.versions().await.unwrap()["interactions"];
+        let snap = tables.load_shared().await.unwrap();
+        let cfg = &config.serve;
+        let u = tables.user(cfg, &snap, "o'brien").await.unwrap();
+        let ids: Vec<&str> = u.corpus.entries.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!(ids, ["o1"], "a quote in the id is a literal, not SQL");
+        assert!(u.bytes >= EMBEDDING_DIM * 4);
+        assert_eq!(
+            tables
+                .user(cfg, &snap, "nobody")
+                .await
+                .unwrap()
+                .corpus
+                .entries
+                .len(),
+            0
+        );
+
+        // An append names its user only.
+        sink.write(t, &turn("ann", "a2", 4)).await.unwrap();
+        let v2 = tables.versions().await.unwrap()["interactions"];
+        assert!(v2 > v1);
+        let changed = tables
+            .changed_rows("interactions", v1, &["user_id"])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(users(&changed), ["ann"]);
+        assert_eq!(
+            tables
+                .user(cfg, &snap, "ann")
+                .await
+                .unwrap()
+                .corpus
+                .entries
+                .len(),
+            2
+        );
+
+        // A delete (forget) names the deleted rows' user.
+        let table = sink.table(t).clone();
+        table.delete("user_id = 'ben'").await.unwrap();
+        let v3 = tables.versions().await.unwrap()["interactions"];
+        let changed = tables
+            .changed_rows("interactions", v2, &["user_id"])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(users(&changed), ["ben"]);
+
+        // A compaction moves rows without changing them: nobody.
+        table
+            .optimize(lancedb::table::OptimizeAction::Compact {
+                options: Default::default(),
+                remap_options: None,
+            })
+            .await
+            .unwrap();
+        let v4 = tables.versions().await.unwrap()["interactions"];
+        assert!(v4 > v3, "the compaction made a version");
+        let changed = tables
+            .changed_rows("interactions", v3, &["user_id"])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(users(&changed), Vec::<String>::new());
+        // Still readable by id after the rewrite.
+        assert_eq!(
+            tables
+                .user(cfg, &snap, "ann")
+                .await
+                .unwrap()
+                .corpus
+                .entries
+                .len(),
+            2
+        );
+        // From before the table existed: cannot tell, drop everything.
+        assert!(
+            tables
+                .changed_rows("interactions", 0, &["user_id"])
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    fn sized(bytes: usize, unresolved: bool) -> Arc<UserData> {
+        let mut u = UserData::empty("x");
+        u.bytes = bytes;
+        u.unresolved = unresolved;
+        Arc::new(u)
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_budget_least_recently_used_out_first() {
+        let c = Cache::new(1000);
+        let g = c.generation();
+        assert_eq!(c.insert_user("a", sized(200, false), g), 0);
+        assert_eq!(c.insert_user("b", sized(200, false), g), 0);
+        assert_eq!(c.insert_user("c", sized(200, true), g), 0);
+        assert!(c.user("a").is_some(), "a is now the most recently used");
+        assert_eq!(c.insert_user("d", sized(200, false), g), 0);
+        assert_eq!(c.insert_user("e", sized(200, false), g), 0);
+        assert_eq!(c.stats().bytes, 1000);
+        // Full: the least recently used (b) makes room.
+        assert_eq!(c.insert_user("f", sized(200, false), g), 1);
+        assert!(c.user("b").is_none() && c.user("a").is_some());
+        assert!(c.stats().bytes <= 1000);
+        // One entry over a quarter of the budget is served, not kept.
+        assert_eq!(c.insert_user("huge", sized(251, false), g), 0);
+        assert!(c.user("huge").is_none());
+        // Invalidation drops the named users and the unresolved ones, and
+        // a fill that began before it is not kept.
+        let n = c.invalidate(&Changes {
+            users: HashSet::from(["a".to_owned(), "zed".to_owned()]),
+            unresolved: true,
+            ..Changes::default()
+        });
+        assert_eq!(n, 2, "a and c");
+        assert!(c.user("a").is_none() && c.user("c").is_none() && c.user("d").is_some());
+        assert_eq!(c.insert_user("a", sized(10, false), g), 0);
+        assert!(c.user("a").is_none(), "read before the invalidation: stale");
+        c.insert_user("a", sized(10, false), c.generation());
+        assert!(c.user("a").is_some());
+        c.insert_members(7, Arc::new(Members::default()), c.generation());
+        assert_eq!(c.stats().prototypes, 1);
+        c.invalidate(&Changes {
+            all: true,
+            ..Changes::default()
+        });
+        assert_eq!(c.stats(), CacheStats::default());
     }
 }

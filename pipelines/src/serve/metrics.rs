@@ -9,7 +9,7 @@ use prometheus::{
 };
 use steamrf_operators::rfmem::{Answer, Path, Rule};
 
-use super::cache::{Snapshot, TABLES};
+use super::cache::{CacheStats, Snapshot, TABLES};
 use crate::metrics::{counter, gauge_vec, histogram};
 
 /// Routes, as label values.
@@ -33,16 +33,22 @@ pub struct ServeMetrics {
     pub rounds: Histogram,
     /// Query embedding time.
     pub query_embed: Histogram,
-    /// Snapshot loads, by result.
+    /// Refreshes after a table changed, by result.
     pub refreshes: IntCounterVec,
-    /// Snapshot load time.
+    /// Refresh time.
     pub refresh_duration: Histogram,
     /// Table versions of the served snapshot.
     pub table_version: IntGaugeVec,
-    /// Rows in the served snapshot.
-    pub rows: IntGauge,
-    /// Users in the served snapshot.
-    pub users: IntGauge,
+    /// Estimated bytes in the cache.
+    pub cache_bytes: IntGauge,
+    /// Cache entries, by kind (user, prototype).
+    pub cache_entries: IntGaugeVec,
+    /// Cache look-ups, by kind and result (hit, miss).
+    pub cache_lookups: IntCounterVec,
+    /// Cache entries dropped, by reason (capacity, changed).
+    pub cache_evictions: IntCounterVec,
+    /// Time reading a missed entry from the tables, by kind.
+    pub cache_fill_duration: HistogramVec,
     /// Requests refused because `max_in_flight` were being answered.
     pub shed: IntCounter,
     /// Retrievals cut short, by reason (deadline, client_gone).
@@ -120,13 +126,13 @@ impl ServeMetrics {
         let refreshes = counter(
             &r,
             "steamrf_serve_snapshot_loads_total",
-            "Snapshot loads after a table changed, by result (ok, error).",
+            "Refreshes after a table changed (the catalogue and prototypes re-read, changed users evicted), by result (ok, error).",
             &["result"],
         );
         let refresh_duration = histogram(
             &r,
             "steamrf_serve_snapshot_load_duration_seconds",
-            "Time reading the tables and building a snapshot.",
+            "Time of a refresh after a table changed: reading which rows changed, and the catalogue and prototypes when they did.",
             exponential_buckets(0.001, 2.0, 18).expect("valid buckets"),
         );
         let table_version = gauge_vec(
@@ -135,18 +141,52 @@ impl ServeMetrics {
             "LanceDB version of each table in the served snapshot.",
             &["table"],
         );
-        let rows = IntGauge::new(
-            "steamrf_serve_snapshot_rows",
-            "Searchable rows in the served snapshot.",
+        let cache_bytes = IntGauge::new(
+            "steamrf_serve_cache_bytes",
+            "Estimated bytes held in the user and prototype cache (bounded by serve.cache_bytes).",
         )
         .expect("valid metric");
-        r.register(Box::new(rows.clone())).expect("unique metric");
-        let users = IntGauge::new(
-            "steamrf_serve_snapshot_users",
-            "Users in the served snapshot.",
+        r.register(Box::new(cache_bytes.clone()))
+            .expect("unique metric");
+        let cache_entries = gauge_vec(
+            &r,
+            "steamrf_serve_cache_entries",
+            "Entries in the cache, by kind (user; prototype: the members of one published prototype).",
+            &["kind"],
+        );
+        let cache_lookups = counter(
+            &r,
+            "steamrf_serve_cache_lookups_total",
+            "Cache look-ups, by kind (user, prototype) and result (hit, miss: read from the tables).",
+            &["kind", "result"],
+        );
+        let cache_evictions = counter(
+            &r,
+            "steamrf_serve_cache_evictions_total",
+            "Cache entries dropped, by reason (capacity: least recently used, to stay within serve.cache_bytes; changed: their rows changed).",
+            &["reason"],
+        );
+        let cache_fill_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "steamrf_serve_cache_fill_duration_seconds",
+                "Time reading a missed cache entry from the tables, by kind (user, prototype).",
+            )
+            .buckets(latency_buckets()),
+            &["kind"],
         )
         .expect("valid metric");
-        r.register(Box::new(users.clone())).expect("unique metric");
+        r.register(Box::new(cache_fill_duration.clone()))
+            .expect("unique metric");
+        for kind in ["user", "prototype"] {
+            cache_entries.with_label_values(&[kind]);
+            cache_fill_duration.with_label_values(&[kind]);
+            for result in ["hit", "miss"] {
+                cache_lookups.with_label_values(&[kind, result]);
+            }
+        }
+        for reason in ["capacity", "changed"] {
+            cache_evictions.with_label_values(&[reason]);
+        }
         let shed = IntCounter::new(
             "steamrf_serve_shed_total",
             "Requests refused with 503 because serve.max_in_flight requests were being answered.",
@@ -207,8 +247,11 @@ impl ServeMetrics {
             refreshes,
             refresh_duration,
             table_version,
-            rows,
-            users,
+            cache_bytes,
+            cache_entries,
+            cache_lookups,
+            cache_evictions,
+            cache_fill_duration,
             shed,
             cut,
             token_reloads,
@@ -252,8 +295,18 @@ impl ServeMetrics {
                 .with_label_values(&[t])
                 .set(i64::try_from(*v).unwrap_or(i64::MAX));
         }
-        self.rows.set(s.rows() as i64);
-        self.users.set(s.users.len() as i64);
         self.refresh_duration.observe(s.load_time.as_secs_f64());
+    }
+
+    /// Records what the cache holds.
+    pub fn observe_cache(&self, s: CacheStats) {
+        self.cache_bytes
+            .set(i64::try_from(s.bytes).unwrap_or(i64::MAX));
+        self.cache_entries
+            .with_label_values(&["user"])
+            .set(s.users as i64);
+        self.cache_entries
+            .with_label_values(&["prototype"])
+            .set(s.prototypes as i64);
     }
 }

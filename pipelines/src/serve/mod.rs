@@ -9,8 +9,9 @@
 //! - `GET /healthz`, `/readyz` (after the first snapshot), `/metrics`,
 //!   `/openapi.json` (the checked-in `docs/openapi.json`).
 //!
-//! Reads come from an immutable [`cache::Snapshot`] swapped in by a refresh
-//! task; see [`cache`].
+//! Reads come from a bounded per-user cache filled from the tables on a
+//! miss, and a small shared [`cache::Snapshot`] swapped in by a refresh task
+//! that also evicts what changed; see [`cache`].
 
 pub mod auth;
 pub mod cache;
@@ -22,6 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use arrow_array::cast::AsArray;
+use arrow_array::types::Int64Type;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -31,9 +34,9 @@ use axum::routing::{get, post};
 use serde::Serialize;
 use steamrf_operators::embed::Embedder;
 use steamrf_operators::rfmem::{self, RfMemParams};
+use steamrf_operators::steam::MemoryId;
 use steamrf_operators::steam::relations::tenant_of;
-use steamrf_operators::steam::retrieve::RecommendParams;
-use steamrf_operators::steam::{MemoryId, SteamParams};
+use steamrf_operators::steam::retrieve::{self as steam_retrieve, MemoryView, RecommendParams};
 use steamrf_schemas::api::{self, FieldError};
 pub use steamrf_schemas::api::{
     MAX_CANDIDATES, MAX_QUERY_BYTES, RecommendRequest, RetrieveRequest,
@@ -42,7 +45,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use self::auth::{Auth, Scope};
-use self::cache::{Snapshot, Tables};
+use self::cache::{Cache, Changes, Loader, Members, Snapshot, Tables, UserData, View};
 pub use self::metrics::ServeMetrics;
 use crate::config::{Config, ServeConfig};
 use crate::error::{Error, Result};
@@ -53,6 +56,14 @@ pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
 /// Shared by every request.
 pub struct AppState {
     snapshot: RwLock<Arc<Snapshot>>,
+    /// Users and prototype members, bounded by `serve.cache_bytes`.
+    cache: Cache,
+    /// Where the cache reads a miss from.
+    loader: Arc<dyn Loader>,
+    /// Permits for cache fills in flight (`serve.max_in_flight`). A fill
+    /// runs on as its own task when the request that began it gives up, so
+    /// its result is kept for the next one.
+    fills: Arc<Semaphore>,
     ready: AtomicBool,
     cfg: ServeConfig,
     separator: Option<char>,
@@ -80,7 +91,8 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// A service over `snapshot` (tests and benchmarks build one directly).
+    /// A service over `snapshot`, reading users from `loader` (tests build
+    /// both directly).
     pub fn new(
         cfg: ServeConfig,
         separator: Option<char>,
@@ -88,9 +100,13 @@ impl AppState {
         auth: Auth,
         metrics: ServeMetrics,
         snapshot: Snapshot,
+        loader: Arc<dyn Loader>,
     ) -> Self {
         Self {
             snapshot: RwLock::new(Arc::new(snapshot)),
+            cache: Cache::new(cfg.cache_bytes.0),
+            loader,
+            fills: Arc::new(Semaphore::new(cfg.max_in_flight)),
             ready: AtomicBool::new(false),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg,
@@ -159,19 +175,170 @@ impl AppState {
     /// requests are already being answered (load shedding: the client is
     /// told to come back rather than queued behind work it cannot see).
     fn admit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
-        self.in_flight.clone().try_acquire_owned().map_err(|_| {
-            self.metrics.shed.inc();
-            ApiError {
+        self.in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| self.shed("requests are being answered"))
+    }
+
+    fn shed(&self, what: &str) -> ApiError {
+        self.metrics.shed.inc();
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            code: "overloaded",
+            field: None,
+            message: format!(
+                "{} {what} (serve.max_in_flight); retry shortly",
+                self.cfg.max_in_flight
+            ),
+            request_id: None,
+        }
+    }
+
+    /// The cache, for tests and benchmarks.
+    pub fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
+    /// Runs `fill` as its own task (it outlives a request that gives up, so
+    /// its result is cached for the next) and waits for it until `deadline`.
+    async fn fill<T: Send + 'static>(
+        &self,
+        kind: &'static str,
+        deadline: Instant,
+        fill: impl Future<Output = Result<T>> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let permit = self
+            .fills
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| self.shed("cache fills are running"))?;
+        let hist = self.metrics.cache_fill_duration.with_label_values(&[kind]);
+        let task = tokio::spawn(async move {
+            let _permit = permit;
+            let started = Instant::now();
+            let r = fill.await;
+            hist.observe(started.elapsed().as_secs_f64());
+            r
+        });
+        match tokio::time::timeout_at(deadline.into(), task).await {
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err(e))) => Err(ApiError::internal(format!(
+                "reading a {kind} from the tables: {e}"
+            ))),
+            Ok(Err(e)) => Err(ApiError::internal(format!(
+                "reading a {kind} panicked: {e}"
+            ))),
+            Err(_) => Err(ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 code: "overloaded",
                 field: None,
                 message: format!(
-                    "{} requests are being answered (serve.max_in_flight); retry shortly",
-                    self.cfg.max_in_flight
+                    "reading this {kind} from the tables took longer than serve.request_timeout; it goes on, retry shortly"
                 ),
                 request_id: None,
-            }
+            }),
+        }
+    }
+
+    /// A user's rows and memories: cached, or read from the tables.
+    async fn user_data(
+        self: &Arc<Self>,
+        snap: &Arc<Snapshot>,
+        user_id: &str,
+        deadline: Instant,
+    ) -> Result<Arc<UserData>, ApiError> {
+        if let Some(u) = self.cache.user(user_id) {
+            self.metrics
+                .cache_lookups
+                .with_label_values(&["user", "hit"])
+                .inc();
+            return Ok(u);
+        }
+        self.metrics
+            .cache_lookups
+            .with_label_values(&["user", "miss"])
+            .inc();
+        let since = self.cache.generation();
+        let (st, snap, id) = (self.clone(), snap.clone(), user_id.to_owned());
+        self.fill("user", deadline, async move {
+            let u = Arc::new(st.loader.user(&st.cfg, &snap, &id).await?);
+            let evicted = st.cache.insert_user(&id, u.clone(), since);
+            st.metrics
+                .cache_evictions
+                .with_label_values(&["capacity"])
+                .inc_by(evicted as u64);
+            Ok(u)
         })
+        .await
+    }
+
+    /// The members of the published prototypes `user`'s memories are in:
+    /// cached, or read from the tables (one read for all that are missing).
+    async fn members_of(
+        self: &Arc<Self>,
+        snap: &Arc<Snapshot>,
+        user: &UserData,
+        deadline: Instant,
+    ) -> Result<Vec<Arc<Members>>, ApiError> {
+        let mut out = Vec::new();
+        let mut missing = Vec::new();
+        for p in snap.prototypes_of(user) {
+            match self.cache.members(p) {
+                Some(m) => {
+                    self.metrics
+                        .cache_lookups
+                        .with_label_values(&["prototype", "hit"])
+                        .inc();
+                    out.push(m);
+                }
+                None => {
+                    self.metrics
+                        .cache_lookups
+                        .with_label_values(&["prototype", "miss"])
+                        .inc();
+                    missing.push(p);
+                }
+            }
+        }
+        if missing.is_empty() {
+            return Ok(out);
+        }
+        let since = self.cache.generation();
+        let (st, snap) = (self.clone(), snap.clone());
+        let filled = self
+            .fill("prototype", deadline, async move {
+                let ids: Vec<MemoryId> = missing
+                    .iter()
+                    .filter_map(|p| snap.prototypes.get(p))
+                    .flat_map(|p| p.members.iter().copied())
+                    .collect();
+                let mut by_proto: BTreeMap<MemoryId, Vec<_>> =
+                    missing.iter().map(|&p| (p, Vec::new())).collect();
+                for m in st.loader.memories(&ids).await? {
+                    if let Some(list) = snap
+                        .community_of
+                        .get(&m.id)
+                        .and_then(|p| by_proto.get_mut(p))
+                    {
+                        list.push(m);
+                    }
+                }
+                let mut out = Vec::with_capacity(by_proto.len());
+                for (p, mems) in by_proto {
+                    let m = Arc::new(Members::new(mems));
+                    let evicted = st.cache.insert_members(p, m.clone(), since);
+                    st.metrics
+                        .cache_evictions
+                        .with_label_values(&["capacity"])
+                        .inc_by(evicted as u64);
+                    out.push(m);
+                }
+                Ok(out)
+            })
+            .await?;
+        out.extend(filled);
+        Ok(out)
     }
 
     /// The current snapshot.
@@ -635,13 +802,24 @@ async fn retrieve_inner(
     let (q, embed_time) = query_vector(st, &mut req).await?;
     let collaborative = req.collaborative.unwrap_or(st.cfg.collaborative);
     let snap = st.snapshot();
+    let user = st.user_data(&snap, &req.user_id, budget.deadline).await?;
+    let members = if collaborative {
+        st.members_of(&snap, &user, budget.deadline).await?
+    } else {
+        Vec::new()
+    };
     let st2 = st.clone();
     let user_id = req.user_id;
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
+        let view = View {
+            snap: &snap,
+            user: &user,
+            members: &members,
+        };
         answer(
             &st2,
-            &snap,
+            &view,
             user_id,
             &q,
             &p,
@@ -658,7 +836,7 @@ async fn retrieve_inner(
 #[allow(clippy::too_many_arguments)]
 fn answer(
     st: &AppState,
-    snap: &Snapshot,
+    view: &View<'_>,
     user_id: String,
     q: &[f32],
     p: &RfMemParams,
@@ -667,17 +845,7 @@ fn answer(
     started: Instant,
     budget: &Budget,
 ) -> Result<RetrieveResponse, ApiError> {
-    let empty;
-    let corpus = match snap.users.get(&user_id) {
-        Some(c) => &c.store,
-        None => {
-            empty = rfmem::VectorStore::flat(
-                steamrf_kernels::Corpus::new(steamrf_schemas::tables::EMBEDDING_DIM),
-                steamrf_kernels::cpu::CpuKernel::default(),
-            );
-            &empty
-        }
-    };
+    let corpus = &view.user.corpus.store;
     let a = rfmem::retrieve_until(corpus, q, p, &|| budget.exhausted()).map_err(|e| match e {
         rfmem::Error::Invalid { field, reason } => ApiError::invalid(field, reason),
         other => ApiError::internal(other.to_string()),
@@ -691,12 +859,12 @@ fn answer(
         };
         st.metrics.cut.with_label_values(&[reason]).inc();
     }
-    let entries = snap.users.get(&user_id).map(|c| &c.entries);
+    let entries = &view.user.corpus.entries;
     let items = a
         .hits
         .iter()
         .filter_map(|h| {
-            let e = entries?.get(h.index as usize)?;
+            let e = entries.get(h.index as usize)?;
             Some(Item {
                 kind: e.kind,
                 id: e.id.clone(),
@@ -715,7 +883,7 @@ fn answer(
         .collect();
     let c_started = Instant::now();
     let collab = if collaborative {
-        local_to_global(st, snap, &user_id, q)
+        local_to_global(st, view, &user_id, q)
     } else {
         Vec::new()
     };
@@ -731,7 +899,7 @@ fn answer(
             corpus_rows: corpus.len(),
             approximate: corpus.is_approximate(),
             truncated: a.truncated,
-            table_versions: snap.versions.clone(),
+            table_versions: view.snap.versions.clone(),
             latency: Latency {
                 embed_ms: ms(embed_time),
                 probe_ms: ms(a.probe_time),
@@ -748,14 +916,14 @@ fn answer(
 
 /// STEAM's local-to-global step, limited to the user's tenant and to
 /// published prototypes; other users appear only as memory and item ids.
-fn local_to_global(st: &AppState, snap: &Snapshot, user_id: &str, q: &[f32]) -> Vec<Collaborative> {
+fn local_to_global(st: &AppState, view: &View<'_>, user_id: &str, q: &[f32]) -> Vec<Collaborative> {
     let mut qn = q.to_vec();
     steamrf_operators::embed::normalize(&mut qn);
     let params = RecommendParams {
         k_collab: st.cfg.collaborative_k,
         ..RecommendParams::default()
     };
-    let r = snap.steam.retrieve(user_id, &qn, &params);
+    let r = steam_retrieve::retrieve(view, user_id, &qn, &params);
     let tenant = tenant_of(user_id, st.separator);
     let mut by_proto: BTreeMap<MemoryId, Collaborative> = BTreeMap::new();
     for h in r.collaborative {
@@ -763,7 +931,7 @@ fn local_to_global(st: &AppState, snap: &Snapshot, user_id: &str, q: &[f32]) -> 
             continue;
         }
         let Some(pid) = h.via_prototype else { continue };
-        let Some(proto) = snap.steam.prototype(pid) else {
+        let Some(proto) = view.prototype(pid) else {
             continue;
         };
         let c = by_proto.entry(pid).or_insert_with(|| Collaborative {
@@ -776,7 +944,7 @@ fn local_to_global(st: &AppState, snap: &Snapshot, user_id: &str, q: &[f32]) -> 
         });
         c.score = c.score.max(h.score);
         c.memory_ids.push(h.memory_id.to_string());
-        if let Some(m) = snap.steam.memory(h.memory_id) {
+        if let Some(m) = view.memory(h.memory_id) {
             for i in &m.items {
                 if !c.item_ids.contains(i) {
                     c.item_ids.push(i.clone());
@@ -833,22 +1001,30 @@ async fn recommend_inner(st: &Arc<AppState>, req: Request) -> Result<RecommendRe
     req.check()?;
     authorize(st, &scope, &req.user_id)?;
     let permit = st.admit()?;
+    let deadline = Instant::now() + st.cfg.request_timeout;
     let snap = st.snapshot();
+    let user = st.user_data(&snap, &req.user_id, deadline).await?;
+    let members = st.members_of(&snap, &user, deadline).await?;
     let st2 = st.clone();
     // Up to MAX_CANDIDATES retrievals: off the async workers.
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        rank(&st2, &snap, req)
+        let view = View {
+            snap: &snap,
+            user: &user,
+            members: &members,
+        };
+        rank(&st2, &view, req)
     })
     .await
     .map_err(|e| ApiError::internal(format!("ranking panicked: {e}")))
 }
 
-fn rank(st: &AppState, snap: &Snapshot, req: RecommendRequest) -> RecommendResponse {
+fn rank(st: &AppState, view: &View<'_>, req: RecommendRequest) -> RecommendResponse {
     let mut known = Vec::new();
     let mut unknown = Vec::new();
     for c in &req.candidates {
-        match snap.items.get(c) {
+        match view.snap.items.get(c) {
             Some(info) => known.push((c.clone(), info.embedding.clone())),
             None => unknown.push(c.clone()),
         }
@@ -857,33 +1033,32 @@ fn rank(st: &AppState, snap: &Snapshot, req: RecommendRequest) -> RecommendRespo
         k_collab: st.cfg.collaborative_k,
         ..RecommendParams::default()
     };
-    let mut ranked: Vec<RankedItem> = snap
-        .steam
-        .recommend(&req.user_id, &known, &params)
-        .into_iter()
-        .map(|r| {
-            let memory = r.memory_id.and_then(|id| snap.steam.memory(id));
-            let mut reason = match memory {
-                Some(m) => format!("close to your memory \"{}\" ({:.2})", m.content, r.local),
-                None => "no memories yet".to_owned(),
-            };
-            if r.seen > 0.0 {
-                reason.push_str(&format!(
-                    "; chosen by {:.0}% of similar users in your community",
-                    r.seen * 100.0
-                ));
-            }
-            RankedItem {
-                item_id: r.item_id,
-                score: r.score,
-                local: r.local,
-                collab: r.collab,
-                seen: r.seen,
-                memory_id: r.memory_id.map(|m| m.to_string()),
-                reason,
-            }
-        })
-        .collect();
+    let mut ranked: Vec<RankedItem> =
+        steam_retrieve::recommend(view, &req.user_id, &known, &params)
+            .into_iter()
+            .map(|r| {
+                let memory = r.memory_id.and_then(|id| view.memory(id));
+                let mut reason = match memory {
+                    Some(m) => format!("close to your memory \"{}\" ({:.2})", m.content, r.local),
+                    None => "no memories yet".to_owned(),
+                };
+                if r.seen > 0.0 {
+                    reason.push_str(&format!(
+                        "; chosen by {:.0}% of similar users in your community",
+                        r.seen * 100.0
+                    ));
+                }
+                RankedItem {
+                    item_id: r.item_id,
+                    score: r.score,
+                    local: r.local,
+                    collab: r.collab,
+                    seen: r.seen,
+                    memory_id: r.memory_id.map(|m| m.to_string()),
+                    reason,
+                }
+            })
+            .collect();
     ranked.extend(unknown.into_iter().map(|item_id| RankedItem {
         item_id,
         score: f32::MIN,
@@ -1014,13 +1189,14 @@ impl TokensFile {
 }
 
 /// Every `refresh_interval` until `stop`: reloads a changed tokens file,
-/// checks the tables and publishes a new snapshot when they changed. A
-/// successful check marks the snapshot current (`/readyz`).
+/// checks the tables' versions and, when they moved, re-reads the shared
+/// part if its tables changed, evicts the users and prototypes whose rows
+/// changed, and publishes the new versions. A successful check marks the
+/// service current (`/readyz`).
 async fn refresh_loop(
     st: Arc<AppState>,
-    mut tables: Tables,
+    tables: Arc<Tables>,
     mut tokens: TokensFile,
-    params: SteamParams,
     stop: Arc<AtomicBool>,
 ) {
     let mut tick = tokio::time::interval(st.cfg.refresh_interval);
@@ -1028,6 +1204,7 @@ async fn refresh_loop(
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
         tokens.poll(&st);
+        st.metrics.observe_cache(st.cache.stats());
         let current = st.snapshot();
         let versions = match tables.versions().await {
             Ok(v) => v,
@@ -1037,30 +1214,130 @@ async fn refresh_loop(
                 continue;
             }
         };
-        if versions == current.versions && st.ready.load(Ordering::Acquire) {
+        let ready = st.ready.load(Ordering::Acquire);
+        if versions == current.versions && ready {
             st.refreshed();
             continue;
         }
-        match tables.load(&st.cfg, params, versions).await {
-            Ok(s) => {
+        let started = Instant::now();
+        match refresh(&tables, &current, versions, ready).await {
+            Ok((mut snap, changes)) => {
+                snap.load_time = started.elapsed();
                 st.metrics.refreshes.with_label_values(&["ok"]).inc();
-                tracing::debug!(rows = s.rows(), users = s.users.len(), took = ?s.load_time, "Snapshot loaded.");
-                st.publish(s);
-                // The previous snapshot was just freed (or will be by its
-                // last request): hand the pages back. Without this, glibc's
-                // per-thread arenas kept every build's garbage and RSS grew
-                // with each swap (`bench soak`: 125 -> 780 MiB in 3 minutes
-                // over a 10k-row table; docs/reliability.md).
-                if let Err(e) = tokio::task::spawn_blocking(crate::alloc::trim).await {
-                    tracing::warn!(error = %e, "Trimming the heap failed.");
+                // Publish first, then evict: a fill that starts after the
+                // eviction reads the new catalogue and rows.
+                st.publish(snap);
+                let evicted = st.cache.invalidate(&changes);
+                st.metrics
+                    .cache_evictions
+                    .with_label_values(&["changed"])
+                    .inc_by(evicted as u64);
+                // Freed entries (and a replaced catalogue): hand the pages
+                // back. Without this, glibc's per-thread arenas kept the
+                // garbage and RSS grew with each swap (`bench soak`: 125 ->
+                // 780 MiB in 3 minutes; docs/reliability.md).
+                if evicted > 0 || changes.all {
+                    if let Err(e) = tokio::task::spawn_blocking(crate::alloc::trim).await {
+                        tracing::warn!(error = %e, "Trimming the heap failed.");
+                    }
                 }
+                tracing::debug!(
+                    users = changes.users.len(),
+                    prototypes = changes.prototypes.len(),
+                    all = changes.all,
+                    evicted,
+                    took = ?started.elapsed(),
+                    "Tables changed."
+                );
             }
             Err(e) => {
                 st.metrics.refreshes.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, stale_s = st.staleness().as_secs_f64(), "Loading a snapshot failed; serving the previous one.");
+                tracing::warn!(error = %e, stale_s = st.staleness().as_secs_f64(), "Refreshing from the tables failed; serving the previous snapshot.");
             }
         }
     }
+}
+
+/// The snapshot for `versions`, and what changed since `current`.
+async fn refresh(
+    tables: &Tables,
+    current: &Snapshot,
+    versions: BTreeMap<&'static str, u64>,
+    ready: bool,
+) -> Result<(Snapshot, Changes)> {
+    let moved = |t: &str| versions.get(t) != current.versions.get(t);
+    let mut changes = Changes {
+        all: !ready,
+        ..Changes::default()
+    };
+    let mut snap = if !ready || moved("items") || moved("prototypes") {
+        tables.load_shared().await?
+    } else {
+        Snapshot {
+            items: current.items.clone(),
+            prototypes: current.prototypes.clone(),
+            community_of: current.community_of.clone(),
+            ..Snapshot::default()
+        }
+    };
+    if ready {
+        // A changed item changes every row that shows it; a new one may
+        // resolve clicks that were left out.
+        if !Arc::ptr_eq(&snap.items, &current.items) {
+            for (id, new) in snap.items.iter() {
+                match current.items.get(id) {
+                    Some(old) if old != new => changes.all = true,
+                    Some(_) => {}
+                    None => changes.unresolved = true,
+                }
+            }
+        }
+        // A prototype whose members or content changed, or that went.
+        if !Arc::ptr_eq(&snap.prototypes, &current.prototypes) {
+            for (id, old) in current.prototypes.iter() {
+                if snap
+                    .prototypes
+                    .get(id)
+                    .is_none_or(|new| new.members != old.members)
+                {
+                    changes.prototypes.insert(*id);
+                }
+            }
+        }
+        for (table, columns) in [
+            ("interactions", &["user_id"][..]),
+            ("memories", &["user_id", "memory_id"][..]),
+        ] {
+            if !moved(table) || changes.all {
+                continue;
+            }
+            let from = current.versions.get(table).copied().unwrap_or(0);
+            let Some(rows) = tables.changed_rows(table, from, columns).await? else {
+                changes.all = true;
+                continue;
+            };
+            for b in &rows {
+                let users = b.column(0).as_string::<i32>();
+                changes
+                    .users
+                    .extend(users.iter().flatten().map(str::to_owned));
+                if table == "memories" {
+                    // A member's content or vector changed: the prototypes it
+                    // was and is in.
+                    for m in b.column(1).as_primitive::<Int64Type>().values() {
+                        let m = *m as MemoryId;
+                        for snap_ in [current, &snap] {
+                            if let Some(p) = snap_.community_of.get(&m) {
+                                changes.prototypes.insert(*p);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    snap.versions = versions;
+    Ok((snap, changes))
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets open
@@ -1138,28 +1415,23 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
         );
     }
     let embedder = crate::embed::embedder(&config.embed)?;
-    let params = config.steam_params();
     let db = crate::sink::connect(&config.lancedb).await?;
+    let tables = Arc::new(Tables::new(db));
     let st = Arc::new(AppState::new(
         config.serve.clone(),
         config.tenancy.separator(),
         embedder,
         auth,
         ServeMetrics::new(),
-        Snapshot::empty(params),
+        Snapshot::default(),
+        tables.clone(),
     ));
     let listener = TcpListener::bind(addr).await.map_err(|source| Error::Io {
         context: format!("binding {addr}"),
         source,
     })?;
     tracing::info!(%addr, "Retrieval service listening.");
-    let refresher = tokio::spawn(refresh_loop(
-        st.clone(),
-        Tables::new(db),
-        tokens,
-        params,
-        stop.clone(),
-    ));
+    let refresher = tokio::spawn(refresh_loop(st.clone(), tables, tokens, stop.clone()));
     let header_timeout = st.cfg.header_timeout;
     let app = router(st);
     let shutdown = {

@@ -7,6 +7,9 @@ use steamrf_operators::steam::SteamState;
 use steamrf_operators::steam::memory::Observation;
 use steamrf_schemas::tables::EMBEDDING_DIM;
 
+use steamrf_operators::steam::memory::{Memory, UserMemories};
+use steamrf_operators::steam::{MemoryId, SteamParams};
+
 use super::cache::{Entry, EntryKind, ItemInfo, UserCorpus};
 use super::*;
 
@@ -38,7 +41,7 @@ fn config() -> ServeConfig {
 
 /// Three acme users who like jazz (a published prototype), and a globex
 /// user with the very same taste, who must stay invisible to acme.
-fn snapshot() -> Snapshot {
+fn steam_state() -> SteamState {
     let params = SteamParams {
         tenant_separator: Some(':'),
         ..SteamParams::default()
@@ -56,6 +59,61 @@ fn snapshot() -> Snapshot {
         ])
         .unwrap();
     steam.link(&CpuKernel::default(), &o.changed).unwrap();
+    steam
+}
+
+/// The users' rows and memories, as the tables would give them.
+struct Fixed {
+    steam: SteamState,
+    corpora: HashMap<String, (Vec<Entry>, Vec<f32>)>,
+}
+
+impl Loader for Fixed {
+    fn user<'a>(
+        &'a self,
+        _cfg: &'a ServeConfig,
+        _snap: &'a Snapshot,
+        user_id: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<UserData>> {
+        Box::pin(async move {
+            let (entries, rows) = self.corpora.get(user_id).cloned().unwrap_or_default();
+            Ok(UserData {
+                corpus: UserCorpus {
+                    entries,
+                    store: rfmem::VectorStore::flat(
+                        Corpus::from_vec(rows, EMBEDDING_DIM).unwrap(),
+                        CpuKernel::default(),
+                    ),
+                },
+                memories: UserMemories {
+                    user_id: user_id.to_owned(),
+                    memories: self
+                        .steam
+                        .user(user_id)
+                        .map(|u| u.memories.clone())
+                        .unwrap_or_default(),
+                },
+                unresolved: false,
+                bytes: 1000,
+            })
+        })
+    }
+
+    fn memories<'a>(
+        &'a self,
+        ids: &'a [MemoryId],
+    ) -> futures::future::BoxFuture<'a, Result<Vec<Memory>>> {
+        Box::pin(async move {
+            Ok(ids
+                .iter()
+                .filter_map(|&id| self.steam.memory(id).cloned())
+                .collect())
+        })
+    }
+}
+
+fn fixed() -> Fixed {
+    let jazz = |i: f32| unit(&[(0, 1.0), (1, 0.1 * i)]);
     let entries = vec![
         Entry {
             kind: EntryKind::Dialogue,
@@ -76,15 +134,15 @@ fn snapshot() -> Snapshot {
     ];
     let mut rows = jazz(0.5);
     rows.extend(unit(&[(5, 1.0)]));
-    let ann = UserCorpus {
-        entries,
-        store: rfmem::VectorStore::flat(
-            Corpus::from_vec(rows, EMBEDDING_DIM).unwrap(),
-            CpuKernel::default(),
-        ),
-    };
-    let mut users = HashMap::new();
-    users.insert("acme:ann".to_owned(), Arc::new(ann));
+    Fixed {
+        steam: steam_state(),
+        corpora: HashMap::from([("acme:ann".to_owned(), (entries, rows))]),
+    }
+}
+
+/// The shared part: the catalogue and the published prototypes.
+fn snapshot() -> Snapshot {
+    let jazz = |i: f32| unit(&[(0, 1.0), (1, 0.1 * i)]);
     let mut items = HashMap::new();
     items.insert(
         "dave".to_owned(),
@@ -100,13 +158,13 @@ fn snapshot() -> Snapshot {
             embedding: unit(&[(9, 1.0)]),
         },
     );
-    Snapshot {
-        users,
-        steam,
-        items,
-        versions: BTreeMap::from([("interactions", 3)]),
-        load_time: Duration::ZERO,
-    }
+    let prototypes = steam_state()
+        .prototypes()
+        .map(|p| (p.id, p.clone()))
+        .collect();
+    let mut s = Snapshot::new(items, prototypes);
+    s.versions = BTreeMap::from([("interactions", 3)]);
+    s
 }
 
 async fn start(auth: Auth, publish: bool) -> (String, Arc<AppState>) {
@@ -130,7 +188,8 @@ async fn start_with(
         embedder,
         auth,
         ServeMetrics::new(),
-        Snapshot::empty(SteamParams::default()),
+        Snapshot::default(),
+        Arc::new(fixed()),
     ));
     if publish {
         st.publish(snapshot());
@@ -571,10 +630,7 @@ async fn readiness_waits_for_the_first_snapshot_and_openapi_is_served() {
     assert_eq!(props("RfMemOptions"), options);
     let (status, metrics) = get("/metrics").await;
     assert_eq!(status, 200);
-    assert!(
-        metrics.contains("steamrf_serve_snapshot_users 1"),
-        "{metrics}"
-    );
+    assert!(metrics.contains("steamrf_serve_cache_bytes 0"), "{metrics}");
 }
 
 #[test]
