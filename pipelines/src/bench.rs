@@ -23,8 +23,10 @@ use crate::metrics::Metrics;
 use crate::pipeline::{self, RunOptions};
 
 mod retrieve;
+mod serve;
 mod soak;
 pub use retrieve::{RetrieveBench, retrieve};
+pub use serve::{ServeBench, serve};
 pub use soak::{SoakBench, soak};
 
 /// Events per second, two ways.

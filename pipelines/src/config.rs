@@ -498,7 +498,11 @@ impl fmt::Debug for LanceDbConfig {
 pub struct ByteSize(pub usize);
 
 impl ByteSize {
-    fn parse(s: &str) -> std::result::Result<Self, String> {
+    /// Parses "16MiB", "1GiB", "512KiB" or a plain number of bytes.
+    ///
+    /// # Errors
+    /// Anything else, described.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
         let s = s.trim();
         let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (num, unit) = s.split_at(split);

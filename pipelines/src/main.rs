@@ -186,6 +186,36 @@ enum BenchCmd {
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         sample: Duration,
     },
+    /// A real `steamrf serve` over many users: hot- and cold-user latency, commit-to-answerable freshness, and RSS beside `serve.cache_bytes`.
+    Serve {
+        /// Users in the tables.
+        #[arg(long, default_value_t = 100_000)]
+        users: usize,
+        /// Dialogue turns per user.
+        #[arg(long, default_value_t = 100)]
+        rows_per_user: usize,
+        /// `serve.cache_bytes` (e.g. "512MiB").
+        #[arg(long, default_value = "512MiB")]
+        cache_bytes: String,
+        /// Users asked for once each, never before (cold).
+        #[arg(long, default_value_t = 5000)]
+        cold_users: usize,
+        /// Users in the hot set.
+        #[arg(long, default_value_t = 1000)]
+        hot_users: usize,
+        /// Requests over the hot set.
+        #[arg(long, default_value_t = 5000)]
+        requests: usize,
+        /// Freshness probes (a new turn, then ask until it is answered).
+        #[arg(long, default_value_t = 20)]
+        fresh: usize,
+        /// Where the tables go (default: a temp directory), e.g. s3://bucket/prefix.
+        #[arg(long)]
+        uri: Option<String>,
+        /// A LanceDB storage option for --uri, KEY=VALUE (repeatable).
+        #[arg(long = "storage-option", value_parser = key_value)]
+        storage_options: Vec<(String, String)>,
+    },
     /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
     Similarity {
         /// Queries per call.
@@ -371,6 +401,38 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             })
             .await
             .context("bench retrieve")?;
+            Ok(print_lines(&lines))
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Serve {
+                    users,
+                    rows_per_user,
+                    cache_bytes,
+                    cold_users,
+                    hot_users,
+                    requests,
+                    fresh,
+                    uri,
+                    storage_options,
+                },
+        } => {
+            let cache_bytes = steamrf_pipelines::config::ByteSize::parse(&cache_bytes)
+                .map_err(|e| anyhow::anyhow!("--cache-bytes: {e}"))?
+                .0;
+            let lines = bench::serve(bench::ServeBench {
+                users,
+                rows_per_user,
+                cache_bytes,
+                cold_users,
+                hot_users,
+                requests,
+                fresh,
+                uri,
+                storage_options,
+            })
+            .await
+            .context("bench serve")?;
             Ok(print_lines(&lines))
         }
         Cmd::Bench {
@@ -630,4 +692,11 @@ async fn wait_for_signals(stop: Arc<AtomicBool>) {
         "Second signal; exiting without draining (nothing uncommitted is lost: it will be replayed)."
     );
     std::process::exit(130);
+}
+
+/// `KEY=VALUE`.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
 }

@@ -57,15 +57,15 @@ pub struct SoakBench {
 const TOPICS: usize = 64;
 const MAX_OUTSTANDING: usize = 512;
 
-/// Turns `ids` (user, turn) as an `interactions` batch with vectors from
-/// `synth`, each around the topic `topic_of(user, turn)`.
-fn turns(
-    synth: &mut Synth,
+/// Turns `ids` (user, turn) as an `interactions` batch (user `u<user>`,
+/// event `soak-u<user>-t<turn>`) with vectors from `vector(user, turn)`.
+pub(super) fn turns(
     ids: &[(usize, usize)],
     first_offset: i64,
+    mut vector: impl FnMut(usize, usize) -> Vec<f32>,
 ) -> Result<arrow_array::RecordBatch> {
     let mut builders = TableBuilders::default();
-    let mut vectors = Vec::with_capacity(ids.len() * synth.dim);
+    let mut vectors = Vec::with_capacity(ids.len() * steamrf_schemas::tables::EMBEDDING_DIM);
     for (i, &(u, r)) in ids.iter().enumerate() {
         let t = topic_of(u, r);
         let json = format!(
@@ -82,7 +82,7 @@ fn turns(
                 ingested_at_ms: 0,
             },
         );
-        vectors.extend(synth.memory(t));
+        vectors.extend(vector(u, r));
     }
     let batch = builders
         .finish()?
@@ -95,12 +95,12 @@ fn turns(
 }
 
 /// A user's turns spread over three topics.
-fn topic_of(user: usize, turn: usize) -> usize {
+pub(super) fn topic_of(user: usize, turn: usize) -> usize {
     (user * 7 + turn % 3) % TOPICS
 }
 
 /// `VmRSS` of process `pid`, in MiB.
-fn rss_mib(pid: u32) -> f64 {
+pub(super) fn rss_mib(pid: u32) -> f64 {
     proc_status_bytes(&pid.to_string(), "VmRSS:") as f64 / f64::from(1u32 << 20)
 }
 
@@ -116,7 +116,7 @@ struct Counters {
 }
 
 /// The `serve` child, killed on drop.
-struct Child(std::process::Child);
+pub(super) struct Child(pub(super) std::process::Child);
 
 impl Drop for Child {
     fn drop(&mut self) {
@@ -127,7 +127,13 @@ impl Drop for Child {
     }
 }
 
-fn start_service(dir: &Path, uri: &str) -> Result<(Child, String)> {
+/// This binary's `serve` over `lance` on a free loopback port, with text
+/// queries off and `serve_toml` added to its `[serve]` section.
+pub(super) fn start_service(
+    dir: &Path,
+    lance: &LanceDbConfig,
+    serve_toml: &str,
+) -> Result<(Child, String)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|source| Error::Io {
@@ -136,9 +142,13 @@ fn start_service(dir: &Path, uri: &str) -> Result<(Child, String)> {
         })?
         .port();
     let config = dir.join("soak.toml");
-    let text = format!(
-        "[lancedb]\nuri = \"{uri}\"\n[embed]\nengine = \"off\"\n[serve]\nlisten = \"127.0.0.1:{port}\"\nkinds = [\"dialogue\"]\ncollaborative = false\n"
+    let mut text = format!(
+        "[embed]\nengine = \"off\"\n[serve]\nlisten = \"127.0.0.1:{port}\"\n{serve_toml}\n[lancedb]\nuri = {:?}\n[lancedb.storage_options]\n",
+        lance.uri
     );
+    for (k, v) in &lance.storage_options {
+        text.push_str(&format!("{k} = {v:?}\n"));
+    }
     let io = |context: &str| {
         let context = context.to_owned();
         move |source| Error::Io { context, source }
@@ -156,6 +166,29 @@ fn start_service(dir: &Path, uri: &str) -> Result<(Child, String)> {
         .spawn()
         .map_err(io("starting steamrf serve"))?;
     Ok((Child(child), format!("http://127.0.0.1:{port}")))
+}
+
+/// Waits (5 minutes at most) until the service at `base` is ready; its log
+/// is in `dir`/serve.log.
+pub(super) async fn wait_ready(client: &reqwest::Client, base: &str, dir: &Path) -> Result<()> {
+    let ready_by = Instant::now() + Duration::from_secs(300);
+    loop {
+        let ready = client
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ready {
+            return Ok(());
+        }
+        if Instant::now() > ready_by {
+            let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+            return Err(internal(format!(
+                "steamrf serve never became ready:\n{log}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Runs the soak; prints a line per `sample` as it goes and returns the
@@ -181,7 +214,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
         .collect();
     let mut offset = 0i64;
     for chunk in ids.chunks(50_000) {
-        let batch = turns(&mut synth, chunk, offset)?;
+        let batch = turns(chunk, offset, |u, r| synth.memory(topic_of(u, r)))?;
         sink.write(TableName::Interactions, &batch).await?;
         offset += chunk.len() as i64;
     }
@@ -193,7 +226,11 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
         started.elapsed().as_secs_f64()
     );
 
-    let (child, base) = start_service(dir.path(), &uri)?;
+    let (child, base) = start_service(
+        dir.path(),
+        &lance,
+        "kinds = [\"dialogue\"]\ncollaborative = false",
+    )?;
     let pid = child.0.id();
     // Idle connections are dropped before the service's header timeout
     // (10 s) closes them, as a client of any keep-alive server should: with
@@ -206,24 +243,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
         .pool_max_idle_per_host(MAX_OUTSTANDING)
         .build()
         .map_err(internal)?;
-    let ready_by = Instant::now() + Duration::from_secs(300);
-    loop {
-        let ready = client
-            .get(format!("{base}/readyz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if ready {
-            break;
-        }
-        if Instant::now() > ready_by {
-            let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
-            return Err(internal(format!(
-                "steamrf serve never became ready:\n{log}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_ready(&client, &base, dir.path()).await?;
     let load_started = Instant::now();
     println!(
         "service ready after {:.1}s, RSS {:.0} MiB; {} req/s for {:?}",
@@ -263,7 +283,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
                         (u, next[u])
                     })
                     .collect();
-                let batch = turns(&mut synth, &ids, offset)?;
+                let batch = turns(&ids, offset, |u, r| synth.memory(topic_of(u, r)))?;
                 offset += ids.len() as i64;
                 sink.write(TableName::Interactions, &batch).await?;
             }

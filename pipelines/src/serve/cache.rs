@@ -404,9 +404,9 @@ impl Cache {
 
     fn insert(&self, k: Key, v: Value, since: u64) -> usize {
         let bytes = v.bytes();
-        // One entry may take a quarter of the budget at most, so that one
-        // huge user cannot flush everyone else.
-        if bytes > self.budget / 4 {
+        // One entry may take half the budget at most, so that one huge
+        // user cannot flush everyone else.
+        if bytes > self.budget / 2 {
             return 0;
         }
         let mut lru = self.lock();
@@ -1335,8 +1335,8 @@ mod tests {
         assert_eq!(c.insert_user("f", sized(200, false), g), 1);
         assert!(c.user("b").is_none() && c.user("a").is_some());
         assert!(c.stats().bytes <= 1000);
-        // One entry over a quarter of the budget is served, not kept.
-        assert_eq!(c.insert_user("huge", sized(251, false), g), 0);
+        // One entry over half the budget is served, not kept.
+        assert_eq!(c.insert_user("huge", sized(501, false), g), 0);
         assert!(c.user("huge").is_none());
         // Invalidation drops the named users and the unresolved ones, and
         // a fill that began before it is not kept.
