@@ -85,4 +85,17 @@ for path in sys.argv[1:]:
         if d["kind"] == "Secret" and d["metadata"]["name"] == "t-steamrf-secrets":
             assert not any(k.startswith("STEAMRF__KAFKA__") for k in d.get("stringData", {})), path
 PY
+# POST /v1/events on: then, and only then, the retrieval pods get Kafka's
+# secret and egress to Kafka.
+"$helm" template t "$chart" -f "$chart/ci/full-values.yaml" --set config.serve.accept_events=true >"$work/events.yaml"
+"$TOOLS/venv/bin/python" - "$work/events.yaml" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+serve = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-serve"))
+refs = [e["secretRef"]["name"] for e in serve["spec"]["template"]["spec"]["containers"][0]["envFrom"]]
+assert any("kafka" in r for r in refs), refs
+policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-serve"))
+pipeline = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-pipeline"))
+assert policy["spec"]["egress"] == pipeline["spec"]["egress"], "serve's egress with events on is the pipeline's (Kafka included)"
+PY
 echo "helm-check: ok ($(ls "$chart"/ci/*-values.yaml | wc -l) scenarios + defaults)"

@@ -121,6 +121,12 @@ pub struct ServeConfig {
     pub malloc_arenas: usize,
     /// Bytes of users' rows and prototype members held in memory at most.
     pub cache_bytes: ByteSize,
+    /// Accept `POST /v1/events` and produce them to Kafka.
+    pub accept_events: bool,
+    /// Where accepted events go (empty: the first of `kafka.topics`).
+    pub events_topic: String,
+    /// Events per `POST /v1/events` request at most.
+    pub max_events: usize,
     /// RF-Mem parameters (each overridable per request in `options`, up to
     /// the configured values of the cost keys).
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
@@ -946,6 +952,20 @@ impl Config {
         }
         if v.max_in_flight == 0 {
             p.push("serve.max_in_flight: must be > 0".to_owned());
+        }
+        if v.accept_events {
+            if v.events_topic.is_empty() && self.kafka.topics.is_empty() {
+                p.push("serve.accept_events: needs serve.events_topic or kafka.topics".to_owned());
+            }
+            if !v.events_topic.is_empty() && !valid_topic(&v.events_topic) {
+                p.push(format!(
+                    "serve.events_topic: {:?} is not a valid topic name",
+                    v.events_topic
+                ));
+            }
+        }
+        if v.max_events == 0 {
+            p.push("serve.max_events: must be > 0".to_owned());
         }
         if v.cache_bytes.0 < 1 << 20 {
             p.push(format!(

@@ -316,6 +316,20 @@ pub fn consumer(cfg: &KafkaConfig, metrics: &Metrics) -> Result<Arc<KafkaConsume
 /// # Errors
 /// [`Error::Kafka`] if librdkafka rejects the configuration.
 pub fn dead_letter_producer(cfg: &KafkaConfig) -> Result<FutureProducer> {
+    producer(cfg, "the dead-letter producer", None)
+}
+
+/// An idempotent producer (acks=all) with the consumer's client settings
+/// (brokers, security); `max_message_bytes` raises librdkafka's
+/// `message.max.bytes`.
+///
+/// # Errors
+/// [`Error::Kafka`] if librdkafka rejects the configuration.
+pub fn producer(
+    cfg: &KafkaConfig,
+    what: &str,
+    max_message_bytes: Option<usize>,
+) -> Result<FutureProducer> {
     let mut c = base_client_config(cfg);
     // Consumer-only properties would make the producer warn; drop the ones we know.
     for k in [
@@ -338,8 +352,10 @@ pub fn dead_letter_producer(cfg: &KafkaConfig) -> Result<FutureProducer> {
     c.set("enable.idempotence", "true")
         .set("acks", "all")
         .set("linger.ms", "5");
-    c.create()
-        .map_err(Error::kafka("creating the dead-letter producer"))
+    if let Some(n) = max_message_bytes {
+        c.set("message.max.bytes", n.max(1_000_000).to_string());
+    }
+    c.create().map_err(Error::kafka(format!("creating {what}")))
 }
 
 /// Creates `topic` with `partitions` (and `configs`, e.g. `retention.ms`)

@@ -675,6 +675,162 @@ fn kafka_events_to_a_retrieval_answer() {
     assert!(pipeline.sigterm().success());
 }
 
+/// `POST /v1/events` → Kafka → `steamrf run` → `/v1/retrieve`: the HTTP write
+/// path is the Kafka write path. A request with one bad event produces
+/// nothing, tokens are scoped to their tenants, and a resent request adds
+/// nothing (the pipeline stores each event_id once).
+#[test]
+fn http_events_reach_retrieval_through_kafka() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-events");
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    produce_all(&topic, 1, &file);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 1000,
+        linger_ms: 50,
+    };
+    let tokens = dir.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "writer-token-0123456789 default\nglobex-token-0123456789 globex\nadmin-token-0123456789 *\n",
+    )
+    .unwrap();
+    let extra = format!(
+        "[serve]\nrefresh_interval = \"200ms\"\naccept_events = true\ntokens_file = \"{}\"\n",
+        tokens.display()
+    );
+    let config = cfg.write_with(&extra);
+    let service = Service::start(&config);
+    let mut pipeline = Pipeline::start(&config, None);
+    let writer = Some("writer-token-0123456789");
+    let turn = |id: &str, text: &str| {
+        format!(
+            r#"{{"schema_version":1,"event_id":"{topic}-{id}","timestamp":1764000200000,"type":"dialogue_turn","user_id":"user3","session_id":"http","role":"user","text":"{text}"}}"#
+        )
+    };
+
+    // The pipeline has joined its group and caught up (the first events are
+    // answerable), as in production; then POST -> answerable is measured.
+    let started = Instant::now();
+    loop {
+        let (_, body) = service.post(
+            "/v1/retrieve",
+            writer,
+            r#"{"user_id":"user3","query":"bebop","k":5,"options":{"mode":"familiarity"}}"#,
+        );
+        if body.contains("Any more bebop") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{}",
+            pipeline.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, body) = service.post("/v1/events", None, &turn("a", "x"));
+    assert_eq!(status, 401, "{body}");
+    // One bad event: a 400 naming it, and nothing of the request produced.
+    let bad = format!(
+        "[{}, {{\"schema_version\":1,\"event_id\":\"{topic}-b\",\"timestamp\":1,\"type\":\"click\",\"item_id\":\"i\"}}]",
+        turn("rejected", "Zanzibar harmonica lessons")
+    );
+    let (status, body) = service.post("/v1/events", writer, &bad);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains(r#""field":"events[1].user_id""#), "{body}");
+    let (status, body) = service.post(
+        "/v1/events",
+        Some("globex-token-0123456789"),
+        &turn("c", "x"),
+    );
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains(r#""field":"events[0].user_id""#), "{body}");
+    let item = format!(
+        r#"{{"schema_version":1,"event_id":"{topic}-item","timestamp":1,"type":"item","item_id":"new-item","title":"New"}}"#
+    );
+    let (status, body) = service.post("/v1/events", writer, &item);
+    assert_eq!(
+        status, 403,
+        "item events need a token for every tenant: {body}"
+    );
+    assert!(body.contains(r#""field":"events[0].type""#), "{body}");
+    let (status, body) = service.post("/v1/events", Some("admin-token-0123456789"), &item);
+    assert_eq!(status, 202, "{body}");
+
+    // A good turn: accepted once the broker has it, then answerable.
+    let good = turn("good", "Ornette Coleman free jazz records, please");
+    let sent = Instant::now();
+    let (status, body) = service.post("/v1/events", writer, &good);
+    assert_eq!(status, 202, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["accepted"], 1);
+    assert_eq!(v["event_ids"][0], format!("{topic}-good"));
+    assert_eq!(v["topic"], topic.as_str());
+    let question = r#"{"user_id":"user3","query":"Ornette Coleman free jazz","k":10,"options":{"mode":"familiarity"}}"#;
+    let answer = loop {
+        let (status, body) = service.post("/v1/retrieve", writer, question);
+        assert_eq!(status, 200, "{body}");
+        if body.contains("Ornette Coleman free jazz records") {
+            break body;
+        }
+        // Issue 21's bound; measured here at ~0.2 s.
+        assert!(
+            sent.elapsed() < Duration::from_secs(2),
+            "the turn was not answerable within 2 s of its POST: {body}\n{}\n{}",
+            service.log_text(),
+            pipeline.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!(
+        "POST /v1/events -> answerable in {:?} (accepted in the request, then Kafka, a micro-batch, the embedding, the write, a refresh)",
+        sent.elapsed()
+    );
+    assert!(
+        !answer.contains("Zanzibar"),
+        "the rejected request produced: {answer}"
+    );
+
+    // Resent: accepted again, stored once.
+    let (status, body) = service.post("/v1/events", writer, &good);
+    assert_eq!(status, 202, "{body}");
+    let marker = dir.path().join("marker.jsonl");
+    std::fs::write(
+        &marker,
+        format!("{}\n", turn("marker", "Sun Ra Arkestra marker")),
+    )
+    .unwrap();
+    produce_all(&topic, 1, &marker);
+    loop {
+        let (_, body) = service.post(
+            "/v1/retrieve",
+            writer,
+            r#"{"user_id":"user3","query":"Sun Ra Arkestra","k":1,"options":{"mode":"familiarity"}}"#,
+        );
+        if body.contains("Sun Ra Arkestra marker") {
+            break;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(60),
+            "{}",
+            pipeline.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, body) = service.post("/v1/retrieve", writer, question);
+    assert_eq!(
+        body.matches("Ornette Coleman free jazz records").count(),
+        1,
+        "the resent event is stored once: {body}"
+    );
+    assert!(pipeline.sigterm().success());
+}
+
 /// The running service against its contract: schemathesis (PyPI, in the
 /// hash-pinned venv) generates requests from `docs/openapi.json`, valid and
 /// not, with and without the token, over tables a pipeline wrote. No 5xx,
@@ -697,7 +853,7 @@ fn the_service_keeps_to_its_openapi_document_under_schemathesis() {
     let tokens = dir.path().join("tokens");
     std::fs::write(&tokens, "schema-token-0123456789 *\n").unwrap();
     let extra = format!(
-        "[steam]\nenabled = true\n[serve]\ntokens_file = \"{}\"\n",
+        "[steam]\nenabled = true\n[serve]\naccept_events = true\ntokens_file = \"{}\"\n",
         tokens.display()
     );
     cfg.run_to_idle(&extra);

@@ -515,22 +515,19 @@ fn memory_does_not_grow_with_the_backlog() {
 /// with the RESULT keys the soak in docs/reliability.md reports.
 #[test]
 fn a_short_soak_has_no_errors() {
-    let out = Command::new(steamrf_bin())
-        .current_dir(repo_root())
-        .args(["bench", "soak", "--duration", "15s", "--rate", "100"])
-        .args(["--users", "100", "--rows-per-user", "20", "--sample", "5s"])
-        .env("STEAMRF_LOG", "warn")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{text}");
-    let r = steamrf_pipelines::bench::result_fields(&text)
-        .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
+    let (text, r) = bench(&[
+        "soak",
+        "--duration",
+        "15s",
+        "--rate",
+        "100",
+        "--users",
+        "100",
+        "--rows-per-user",
+        "20",
+        "--sample",
+        "5s",
+    ]);
     for key in ["errors", "shed", "client_overflow"] {
         assert_eq!(r[key], 0.0, "{key}: {text}");
     }
@@ -544,6 +541,61 @@ fn a_short_soak_has_no_errors() {
         "rss_growth_pct",
     ] {
         assert!(r[key].is_finite(), "{key}: {text}");
+    }
+}
+
+/// Runs `steamrf bench ARGS`, which must succeed; its output and RESULT fields.
+fn bench(args: &[&str]) -> (String, std::collections::HashMap<String, f64>) {
+    let out = Command::new(steamrf_bin())
+        .current_dir(repo_root())
+        .arg("bench")
+        .args(args)
+        .env("STEAMRF_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    let r = steamrf_pipelines::bench::result_fields(&text)
+        .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
+    (text, r)
+}
+
+/// `steamrf bench serve`, small: more users are asked for than the cache
+/// holds, so it evicts and stays within `serve.cache_bytes`, and every new
+/// turn written under the running service becomes answerable (the bench
+/// fails otherwise). Latency and RSS are the benchmark's to report.
+#[test]
+fn bench_serve_stays_within_its_cache_and_sees_new_turns() {
+    let (text, r) = bench(&[
+        "serve",
+        "--users",
+        "1500",
+        "--rows-per-user",
+        "40",
+        "--cache-bytes",
+        "8MiB",
+        "--cold-users",
+        "1000",
+        "--hot-users",
+        "50",
+        "--requests",
+        "300",
+        "--fresh",
+        "5",
+    ]);
+    assert!(
+        r["evicted"] > 0.0,
+        "1,000 users of ~60 KiB do not fit in 8 MiB: {text}"
+    );
+    assert!(r["cache_held_mib"] <= 8.0, "{text}");
+    assert_eq!(r["fresh"], 5.0, "{text}");
+    for key in ["hot_p50_ms", "cold_p99_ms", "fresh_p99_ms", "rss_mib"] {
+        assert!(r[key].is_finite() && r[key] > 0.0, "{key}: {text}");
     }
 }
 

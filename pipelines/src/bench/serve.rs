@@ -358,7 +358,7 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
     let (hot_p50, hot_p99) = (p(&mut hot_ms, 0.5), p(&mut hot_ms, 0.99));
     let (fresh_p50, fresh_p99) = (p(&mut fresh_ms, 0.5), p(&mut fresh_ms, 0.99));
     out.push(format!(
-        "RESULT store={} users={} rows_per_user={} cache_mib={:.0} hot_p50_ms={hot_p50:.2} hot_p99_ms={hot_p99:.2} cold_p50_ms={cold_p50:.2} cold_p99_ms={cold_p99:.2} fresh_p50_ms={fresh_p50:.0} fresh_p99_ms={fresh_p99:.0} rss_mib={rss_end:.0} rss_peak_mib={rss_peak:.0} rss_budget_mib={budget_mib:.0} cold_users={} hot_users={} requests={} fresh={}",
+        "RESULT store={} users={} rows_per_user={} cache_mib={:.0} hot_p50_ms={hot_p50:.2} hot_p99_ms={hot_p99:.2} cold_p50_ms={cold_p50:.2} cold_p99_ms={cold_p99:.2} fresh_p50_ms={fresh_p50:.0} fresh_p99_ms={fresh_p99:.0} rss_mib={rss_end:.0} rss_peak_mib={rss_peak:.0} rss_budget_mib={budget_mib:.0} cache_held_mib={cache_mib:.1} evicted={evicted} cold_users={} hot_users={} requests={} fresh={}",
         if lance.uri.starts_with("s3://") { "s3" } else { "local" },
         b.users,
         b.rows_per_user,

@@ -13,7 +13,7 @@ use super::cache::{CacheStats, Snapshot, TABLES};
 use crate::metrics::{counter, gauge_vec, histogram};
 
 /// Routes, as label values.
-pub(super) const ROUTES: [&str; 2] = ["retrieve", "recommend"];
+pub(super) const ROUTES: [&str; 3] = ["retrieve", "recommend", "events"];
 
 /// Every metric of `steamrf serve`.
 #[derive(Clone, Debug)]
@@ -45,6 +45,8 @@ pub struct ServeMetrics {
     pub cache_entries: IntGaugeVec,
     /// Cache look-ups, by kind and result (hit, miss).
     pub cache_lookups: IntCounterVec,
+    /// Events produced through `POST /v1/events`.
+    pub events: IntCounter,
     /// Cache entries dropped, by reason (capacity, changed).
     pub cache_evictions: IntCounterVec,
     /// Time reading a missed entry from the tables, by kind.
@@ -166,6 +168,12 @@ impl ServeMetrics {
             "Cache entries dropped, by reason (capacity: least recently used, to stay within serve.cache_bytes; changed: their rows changed).",
             &["reason"],
         );
+        let events = IntCounter::new(
+            "steamrf_serve_events_total",
+            "Events produced to Kafka through POST /v1/events (acknowledged by the broker).",
+        )
+        .expect("valid metric");
+        r.register(Box::new(events.clone())).expect("unique metric");
         let cache_fill_duration = HistogramVec::new(
             HistogramOpts::new(
                 "steamrf_serve_cache_fill_duration_seconds",
@@ -251,6 +259,7 @@ impl ServeMetrics {
             cache_entries,
             cache_lookups,
             cache_evictions,
+            events,
             cache_fill_duration,
             shed,
             cut,

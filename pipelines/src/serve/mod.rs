@@ -6,6 +6,9 @@
 //!   through published prototypes; every answer explains itself.
 //! - `POST /v1/recommend`: candidates ranked by the user's memories and the
 //!   collaborative signal (STEAM's inference phase), with reasons.
+//! - `POST /v1/events` (with `serve.accept_events`): events into the
+//!   pipeline's input topic, for clients that do not speak Kafka; see
+//!   [`events`].
 //! - `GET /healthz`, `/readyz` (after the first snapshot), `/metrics`,
 //!   `/openapi.json` (the checked-in `docs/openapi.json`).
 //!
@@ -15,6 +18,7 @@
 
 pub mod auth;
 pub mod cache;
+pub mod events;
 mod metrics;
 
 use std::collections::BTreeMap;
@@ -60,6 +64,8 @@ pub struct AppState {
     cache: Cache,
     /// Where the cache reads a miss from.
     loader: Arc<dyn Loader>,
+    /// `POST /v1/events`, when `serve.accept_events`.
+    events: Option<events::EventSink>,
     /// Permits for cache fills in flight (`serve.max_in_flight`). A fill
     /// runs on as its own task when the request that began it gives up, so
     /// its result is kept for the next one.
@@ -106,6 +112,7 @@ impl AppState {
             snapshot: RwLock::new(Arc::new(snapshot)),
             cache: Cache::new(cfg.cache_bytes.0),
             loader,
+            events: None,
             fills: Arc::new(Semaphore::new(cfg.max_in_flight)),
             ready: AtomicBool::new(false),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
@@ -119,6 +126,13 @@ impl AppState {
             id_prefix: rand::random(),
             next_id: AtomicU64::new(0),
         }
+    }
+
+    /// Accepts `POST /v1/events` into `sink`.
+    #[must_use]
+    pub fn with_events(mut self, sink: events::EventSink) -> Self {
+        self.events = Some(sink);
+        self
     }
 
     /// The tokens in force.
@@ -367,7 +381,7 @@ pub struct ApiError {
     #[serde(skip)]
     status: StatusCode,
     /// `invalid_request`, `unauthenticated`, `forbidden`, `payload_too_large`,
-    /// `request_timeout`, `overloaded`, `internal`, `not_found`.
+    /// `request_timeout`, `overloaded`, `unavailable` (the broker did not acknowledge), `internal`, `not_found`.
     pub code: &'static str,
     /// The field at fault (`user_id`, `options.alpha`, `candidates[3]`), if any.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -761,10 +775,22 @@ fn respond<T: Serialize>(
     started: Instant,
     result: Result<T, ApiError>,
 ) -> Response {
+    respond_with(st, route, id, started, StatusCode::OK, result)
+}
+
+/// [`respond`] with `ok` as the success status.
+fn respond_with<T: Serialize>(
+    st: &AppState,
+    route: &str,
+    id: &str,
+    started: Instant,
+    ok: StatusCode,
+    result: Result<T, ApiError>,
+) -> Response {
     st.metrics
         .finish(route, started, result.as_ref().err().map(|e| e.status));
     let mut r = match result {
-        Ok(v) => json(StatusCode::OK, &v),
+        Ok(v) => json(ok, &v),
         Err(e) => e.for_request(route, id).into_response(),
     };
     if let Ok(v) = HeaderValue::from_str(id) {
@@ -1082,6 +1108,7 @@ pub fn router(st: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/retrieve", post(retrieve))
         .route("/v1/recommend", post(recommend))
+        .route("/v1/events", post(events::events))
         .route(
             "/openapi.json",
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
@@ -1417,7 +1444,7 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
     let embedder = crate::embed::embedder(&config.embed)?;
     let db = crate::sink::connect(&config.lancedb).await?;
     let tables = Arc::new(Tables::new(db));
-    let st = Arc::new(AppState::new(
+    let mut st = AppState::new(
         config.serve.clone(),
         config.tenancy.separator(),
         embedder,
@@ -1425,7 +1452,13 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
         ServeMetrics::new(),
         Snapshot::default(),
         tables.clone(),
-    ));
+    );
+    if config.serve.accept_events {
+        let sink = events::EventSink::new(&config)?;
+        tracing::info!(?sink, "POST /v1/events is on.");
+        st = st.with_events(sink);
+    }
+    let st = Arc::new(st);
     let listener = TcpListener::bind(addr).await.map_err(|source| Error::Io {
         context: format!("binding {addr}"),
         source,
