@@ -399,6 +399,16 @@ fn events_become_memories_communities_and_prototypes() {
 
 /// Items, clicks, purchases, dialogue turns and a profile for four users:
 /// four share a jazz interest, two a science-fiction one.
+/// A temp dir and a new topic holding [`steam_events`].
+fn steam_topic(prefix: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique(prefix);
+    let file = dir.path().join("events.jsonl");
+    steam_events(&topic, &file);
+    produce_all(&topic, 1, &file);
+    (dir, topic)
+}
+
 fn steam_events(topic: &str, file: &std::path::Path) {
     let mut lines = Vec::new();
     let mut n = 0;
@@ -681,11 +691,7 @@ fn kafka_events_to_a_retrieval_answer() {
 /// nothing (the pipeline stores each event_id once).
 #[test]
 fn http_events_reach_retrieval_through_kafka() {
-    let dir = tempfile::tempdir().unwrap();
-    let topic = unique("it-events");
-    let file = dir.path().join("events.jsonl");
-    steam_events(&topic, &file);
-    produce_all(&topic, 1, &file);
+    let (dir, topic) = steam_topic("it-events");
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,
@@ -837,11 +843,7 @@ fn http_events_reach_retrieval_through_kafka() {
 /// and every status code, header, content type and body matches the spec.
 #[test]
 fn the_service_keeps_to_its_openapi_document_under_schemathesis() {
-    let dir = tempfile::tempdir().unwrap();
-    let topic = unique("it-schema");
-    let file = dir.path().join("events.jsonl");
-    steam_events(&topic, &file);
-    produce_all(&topic, 1, &file);
+    let (dir, topic) = steam_topic("it-schema");
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,
@@ -1046,11 +1048,7 @@ fn scaled_out_community_writer_matches_in_process() {
 /// rules`) and names only metrics those processes export.
 #[test]
 fn metrics_pass_promtool_and_dashboards_use_exported_metrics() {
-    let dir = tempfile::tempdir().unwrap();
-    let topic = unique("it-metrics");
-    let file = dir.path().join("events.jsonl");
-    steam_events(&topic, &file);
-    produce_all(&topic, 1, &file);
+    let (dir, topic) = steam_topic("it-metrics");
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,
@@ -1062,7 +1060,10 @@ fn metrics_pass_promtool_and_dashboards_use_exported_metrics() {
     let config = cfg.write_with(&scaled_out_steam(&topic));
     let writer = Pipeline::start_command("communities", &config, None);
     let pipeline = Pipeline::start(&config, None);
-    let events = std::fs::read_to_string(&file).unwrap().lines().count() as f64;
+    let events = std::fs::read_to_string(dir.path().join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .count() as f64;
     pipeline.wait_metric(
         "steamrf_source_records_committed_total",
         |v| v >= events,
