@@ -462,23 +462,18 @@ fn forgetting_in_the_scaled_out_write_path_reaches_the_community_writer() {
 /// `steamrf bench ingest --slow-sink` over `events` events of which
 /// `distinct` are distinct: the `RESULT` line's fields.
 fn slow_sink_bench(events: u64, distinct: u64) -> std::collections::HashMap<String, f64> {
-    let out = Command::new(steamrf_bin())
-        .current_dir(repo_root())
-        .args(["bench", "ingest", "--slow-sink", "--brokers", &brokers()])
-        .args(["--events", &events.to_string()])
-        .args(["--distinct", &distinct.to_string()])
-        .env("STEAMRF_LOG", "warn")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{text}");
-    steamrf_pipelines::bench::result_fields(&text)
-        .unwrap_or_else(|| panic!("no RESULT line last: {text}"))
+    let (events, distinct) = (events.to_string(), distinct.to_string());
+    bench(&[
+        "ingest",
+        "--slow-sink",
+        "--brokers",
+        &brokers(),
+        "--events",
+        &events,
+        "--distinct",
+        &distinct,
+    ])
+    .1
 }
 
 /// A slow sink keeps the backlog in Kafka, not in memory: with LanceDB the

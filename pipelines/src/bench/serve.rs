@@ -28,8 +28,10 @@ use rand::{Rng, SeedableRng};
 use steamrf_schemas::TableName;
 use steamrf_schemas::tables::EMBEDDING_DIM;
 
-use super::soak::{Child, rss_mib, start_service, turns, wait_ready};
-use super::{internal, percentile, proc_status_bytes};
+use super::soak::{
+    Child, metric, rss_mib, start_service, status_mib, topic_of as topic, turns, wait_ready,
+};
+use super::{internal, percentile};
 use crate::config::LanceDbConfig;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -107,14 +109,6 @@ fn unit(mut v: Vec<f32>) -> Vec<f32> {
     v
 }
 
-fn topic(user: usize, turn: usize) -> usize {
-    super::soak::topic_of(user, turn)
-}
-
-fn vm(pid: u32, field: &str) -> f64 {
-    proc_status_bytes(&pid.to_string(), field) as f64 / f64::from(1u32 << 20)
-}
-
 /// One request; its latency in ms and the ids it answered.
 async fn ask(
     client: &reqwest::Client,
@@ -149,9 +143,10 @@ async fn ask(
     Ok((ms, ids))
 }
 
-fn p(sorted: &mut [f64], q: f64) -> f64 {
-    sorted.sort_by(f64::total_cmp);
-    percentile(sorted, q)
+/// The p50 and p99 of `ms`.
+fn p50_p99(ms: &mut [f64]) -> (f64, f64) {
+    ms.sort_by(f64::total_cmp);
+    (percentile(ms, 0.5), percentile(ms, 0.99))
 }
 
 async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
@@ -321,24 +316,15 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
     }
     let rss_end = rss_mib(pid);
-    let rss_peak = vm(pid, "VmHWM:");
-    let metrics = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .map_err(internal)?
-        .text()
-        .await
-        .map_err(internal)?;
-    let metric = |name: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(f64::NAN)
-    };
-    let cache_mib = metric("steamrf_serve_cache_bytes ") / f64::from(1u32 << 20);
-    let evicted = metric("steamrf_serve_cache_evictions_total{reason=\"capacity\"} ");
+    let rss_peak = status_mib(pid, "VmHWM:");
+    let cache_mib =
+        metric(&client, &base, "steamrf_serve_cache_bytes").await? / f64::from(1u32 << 20);
+    let evicted = metric(
+        &client,
+        &base,
+        "steamrf_serve_cache_evictions_total{reason=\"capacity\"}",
+    )
+    .await?;
     drop(child);
 
     let budget_mib = b.cache_bytes as f64 / f64::from(1u32 << 20) + 300.0;
@@ -354,9 +340,9 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
             "RSS: ready {rss_ready:.0}, after cold {rss_cold:.0}, after hot {rss_hot:.0}, end {rss_end:.0}, peak {rss_peak:.0} MiB; cache {cache_mib:.0} MiB held, {evicted} evicted for room"
         ),
     ];
-    let (cold_p50, cold_p99) = (p(&mut cold_ms, 0.5), p(&mut cold_ms, 0.99));
-    let (hot_p50, hot_p99) = (p(&mut hot_ms, 0.5), p(&mut hot_ms, 0.99));
-    let (fresh_p50, fresh_p99) = (p(&mut fresh_ms, 0.5), p(&mut fresh_ms, 0.99));
+    let (cold_p50, cold_p99) = p50_p99(&mut cold_ms);
+    let (hot_p50, hot_p99) = p50_p99(&mut hot_ms);
+    let (fresh_p50, fresh_p99) = p50_p99(&mut fresh_ms);
     out.push(format!(
         "RESULT store={} users={} rows_per_user={} cache_mib={:.0} hot_p50_ms={hot_p50:.2} hot_p99_ms={hot_p99:.2} cold_p50_ms={cold_p50:.2} cold_p99_ms={cold_p99:.2} fresh_p50_ms={fresh_p50:.0} fresh_p99_ms={fresh_p99:.0} rss_mib={rss_end:.0} rss_peak_mib={rss_peak:.0} rss_budget_mib={budget_mib:.0} cache_held_mib={cache_mib:.1} evicted={evicted} cold_users={} hot_users={} requests={} fresh={}",
         if lance.uri.starts_with("s3://") { "s3" } else { "local" },

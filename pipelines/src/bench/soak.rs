@@ -101,7 +101,30 @@ pub(super) fn topic_of(user: usize, turn: usize) -> usize {
 
 /// `VmRSS` of process `pid`, in MiB.
 pub(super) fn rss_mib(pid: u32) -> f64 {
-    proc_status_bytes(&pid.to_string(), "VmRSS:") as f64 / f64::from(1u32 << 20)
+    status_mib(pid, "VmRSS:")
+}
+
+/// A `/proc/<pid>/status` field (`VmRSS:`, `VmHWM:`) of process `pid`, in MiB.
+pub(super) fn status_mib(pid: u32, field: &str) -> f64 {
+    proc_status_bytes(&pid.to_string(), field) as f64 / f64::from(1u32 << 20)
+}
+
+/// The value of the sample `name` (with its labels, as exposed) on the
+/// service's `/metrics`; NaN when absent.
+pub(super) async fn metric(client: &reqwest::Client, base: &str, name: &str) -> Result<f64> {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .map_err(internal)?
+        .text()
+        .await
+        .map_err(internal)?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(f64::NAN))
 }
 
 #[derive(Default)]
@@ -426,18 +449,12 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
     all.sort_by(f64::total_cmp);
     let end_mib = rss_mib(pid);
     rss.push((elapsed, end_mib));
-    let loads = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .map_err(internal)?
-        .text()
-        .await
-        .map_err(internal)?
-        .lines()
-        .find_map(|l| l.strip_prefix("steamrf_serve_snapshot_loads_total{result=\"ok\"} "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(f64::NAN);
+    let loads = metric(
+        &client,
+        &base,
+        "steamrf_serve_snapshot_loads_total{result=\"ok\"}",
+    )
+    .await?;
     // RSS swings by a snapshot or two between samples (a refresh builds the
     // next while the current one serves), so growth is judged on medians:
     // the first half of the samples against the second.

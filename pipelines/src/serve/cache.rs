@@ -111,21 +111,6 @@ pub struct UserData {
     pub bytes: usize,
 }
 
-impl UserData {
-    /// A user with nothing stored.
-    pub fn empty(user_id: &str) -> Self {
-        Self {
-            corpus: UserCorpus {
-                entries: Vec::new(),
-                store: VectorStore::flat(Corpus::new(EMBEDDING_DIM), CpuKernel::default()),
-            },
-            memories: UserMemories::new(user_id),
-            unresolved: false,
-            bytes: 0,
-        }
-    }
-}
-
 /// Other users' memories in one published community: what the
 /// local-to-global step scores and recommends from.
 #[derive(Debug, Default)]
@@ -213,19 +198,19 @@ impl Snapshot {
     }
 }
 
-/// One request's STEAM view: the shared snapshot, the user, and the
-/// members of the user's communities.
+/// What one request reads: the shared snapshot, the user, and the members of
+/// the user's communities (empty without the local-to-global step).
 #[derive(Debug)]
-pub struct View<'a> {
+pub struct View {
     /// The shared part.
-    pub snap: &'a Snapshot,
+    pub snap: Arc<Snapshot>,
     /// The user asking.
-    pub user: &'a UserData,
+    pub user: Arc<UserData>,
     /// Members of the prototypes the user's memories are in.
-    pub members: &'a [Arc<Members>],
+    pub members: Vec<Arc<Members>>,
 }
 
-impl MemoryView for View<'_> {
+impl MemoryView for View {
     fn user(&self, user_id: &str) -> Option<&UserMemories> {
         (self.user.memories.user_id == user_id).then_some(&self.user.memories)
     }
@@ -287,11 +272,23 @@ struct Lru {
     /// Last use → key; the first entry is the least recently used.
     order: BTreeMap<u64, Key>,
     used: usize,
+    /// User entries (the rest are prototype members).
+    users: usize,
     tick: u64,
     generation: u64,
 }
 
 impl Lru {
+    /// Every change of `map` goes through `put` and `remove`, which keep
+    /// `order`, `used` and `users` with it.
+    fn put(&mut self, k: Key, v: Value) {
+        self.tick += 1;
+        self.used += v.bytes();
+        self.users += usize::from(matches!(k, Key::User(_)));
+        self.order.insert(self.tick, k.clone());
+        self.map.insert(k, (v, self.tick));
+    }
+
     fn get(&mut self, k: &Key) -> Option<Value> {
         self.tick += 1;
         let tick = self.tick;
@@ -307,7 +304,19 @@ impl Lru {
             Some((v, last)) => {
                 self.order.remove(&last);
                 self.used -= v.bytes();
+                self.users -= usize::from(matches!(k, Key::User(_)));
                 true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops the least recently used entry; false when empty.
+    fn pop_oldest(&mut self) -> bool {
+        match self.order.first_key_value() {
+            Some((_, k)) => {
+                let k = k.clone();
+                self.remove(&k)
             }
             None => false,
         }
@@ -415,20 +424,10 @@ impl Cache {
         }
         lru.remove(&k);
         let mut evicted = 0;
-        while lru.used + bytes > self.budget {
-            let Some((_, oldest)) = lru.order.pop_first() else {
-                break;
-            };
-            if let Some((old, _)) = lru.map.remove(&oldest) {
-                lru.used -= old.bytes();
-                evicted += 1;
-            }
+        while lru.used + bytes > self.budget && lru.pop_oldest() {
+            evicted += 1;
         }
-        lru.tick += 1;
-        let tick = lru.tick;
-        lru.order.insert(tick, k.clone());
-        lru.map.insert(k, (v, tick));
-        lru.used += bytes;
+        lru.put(k, v);
         evicted
     }
 
@@ -442,9 +441,10 @@ impl Cache {
         lru.generation += 1;
         if c.all {
             let n = lru.map.len();
-            lru.map.clear();
-            lru.order.clear();
-            lru.used = 0;
+            *lru = Lru {
+                generation: lru.generation,
+                ..Lru::default()
+            };
             return n;
         }
         let mut doomed: Vec<Key> = c
@@ -465,11 +465,10 @@ impl Cache {
     /// What is held.
     pub fn stats(&self) -> CacheStats {
         let lru = self.lock();
-        let users = lru.map.keys().filter(|k| matches!(k, Key::User(_))).count();
         CacheStats {
             bytes: lru.used,
-            users,
-            prototypes: lru.map.len() - users,
+            users: lru.users,
+            prototypes: lru.map.len() - lru.users,
         }
     }
 }
@@ -1204,6 +1203,28 @@ mod tests {
         out
     }
 
+    /// The rows `tables` give `user`.
+    async fn rows(tables: &Tables, cfg: &ServeConfig, snap: &Snapshot, user: &str) -> usize {
+        tables
+            .user(cfg, snap, user)
+            .await
+            .unwrap()
+            .corpus
+            .entries
+            .len()
+    }
+
+    /// The users of the `interactions` rows changed since version `from`.
+    async fn changed_users(tables: &Tables, from: u64) -> Vec<String> {
+        users(
+            &tables
+                .changed_rows("interactions", from, &["user_id"])
+                .await
+                .unwrap()
+                .unwrap(),
+        )
+    }
+
     /// Through real LanceDB tables: a user is read by id; appends, deletes
     /// and rewrites are told apart, so that exactly the users whose rows
     /// changed are evicted and a compaction evicts nobody.
@@ -1233,48 +1254,20 @@ mod tests {
         let ids: Vec<&str> = u.corpus.entries.iter().map(|e| e.id.as_str()).collect();
         assert_eq!(ids, ["o1"], "a quote in the id is a literal, not SQL");
         assert!(u.bytes >= EMBEDDING_DIM * 4);
-        assert_eq!(
-            tables
-                .user(cfg, &snap, "nobody")
-                .await
-                .unwrap()
-                .corpus
-                .entries
-                .len(),
-            0
-        );
+        assert_eq!(rows(&tables, cfg, &snap, "nobody").await, 0);
 
         // An append names its user only.
         sink.write(t, &turn("ann", "a2", 4)).await.unwrap();
         let v2 = tables.versions().await.unwrap()["interactions"];
         assert!(v2 > v1);
-        let changed = tables
-            .changed_rows("interactions", v1, &["user_id"])
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(users(&changed), ["ann"]);
-        assert_eq!(
-            tables
-                .user(cfg, &snap, "ann")
-                .await
-                .unwrap()
-                .corpus
-                .entries
-                .len(),
-            2
-        );
+        assert_eq!(changed_users(&tables, v1).await, ["ann"]);
+        assert_eq!(rows(&tables, cfg, &snap, "ann").await, 2);
 
         // A delete (forget) names the deleted rows' user.
         let table = sink.table(t).clone();
         table.delete("user_id = 'ben'").await.unwrap();
         let v3 = tables.versions().await.unwrap()["interactions"];
-        let changed = tables
-            .changed_rows("interactions", v2, &["user_id"])
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(users(&changed), ["ben"]);
+        assert_eq!(changed_users(&tables, v2).await, ["ben"]);
 
         // A compaction moves rows without changing them: nobody.
         table
@@ -1286,23 +1279,9 @@ mod tests {
             .unwrap();
         let v4 = tables.versions().await.unwrap()["interactions"];
         assert!(v4 > v3, "the compaction made a version");
-        let changed = tables
-            .changed_rows("interactions", v3, &["user_id"])
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(users(&changed), Vec::<String>::new());
+        assert_eq!(changed_users(&tables, v3).await, Vec::<String>::new());
         // Still readable by id after the rewrite.
-        assert_eq!(
-            tables
-                .user(cfg, &snap, "ann")
-                .await
-                .unwrap()
-                .corpus
-                .entries
-                .len(),
-            2
-        );
+        assert_eq!(rows(&tables, cfg, &snap, "ann").await, 2);
         // From before the table existed: cannot tell, drop everything.
         assert!(
             tables
@@ -1314,7 +1293,8 @@ mod tests {
     }
 
     fn sized(bytes: usize, unresolved: bool) -> Arc<UserData> {
-        let mut u = UserData::empty("x");
+        let cfg = Config::load_with_env(None, []).unwrap().serve;
+        let mut u = build_user(&cfg, &HashMap::new(), "x", &[], Vec::new()).unwrap();
         u.bytes = bytes;
         u.unresolved = unresolved;
         Arc::new(u)

@@ -162,10 +162,7 @@ async fn events_inner(st: &Arc<AppState>, req: Request) -> Result<EventsResponse
         })?;
         let (key, user) = key_of(&event);
         match user {
-            Some(u) => authorize(st, &scope, u).map_err(|mut e| {
-                e.field = Some(format!("events[{i}].user_id"));
-                e
-            })?,
+            Some(u) => authorize(st, &scope, u, &format!("events[{i}].user_id"))?,
             None if scope != Scope::All => {
                 return Err(ApiError {
                     status: StatusCode::FORBIDDEN,

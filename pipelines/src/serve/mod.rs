@@ -209,11 +209,6 @@ impl AppState {
         }
     }
 
-    /// The cache, for tests and benchmarks.
-    pub fn cache(&self) -> &Cache {
-        &self.cache
-    }
-
     /// Runs `fill` as its own task (it outlives a request that gives up, so
     /// its result is cached for the next) and waits for it until `deadline`.
     async fn fill<T: Send + 'static>(
@@ -253,6 +248,28 @@ impl AppState {
                 request_id: None,
             }),
         }
+    }
+
+    /// What a request for `user_id` reads: the current snapshot, the user,
+    /// and with `collaborative` the members of the user's prototypes.
+    async fn view(
+        self: &Arc<Self>,
+        user_id: &str,
+        collaborative: bool,
+        deadline: Instant,
+    ) -> Result<View, ApiError> {
+        let snap = self.snapshot();
+        let user = self.user_data(&snap, user_id, deadline).await?;
+        let members = if collaborative {
+            self.members_of(&snap, &user, deadline).await?
+        } else {
+            Vec::new()
+        };
+        Ok(View {
+            snap,
+            user,
+            members,
+        })
     }
 
     /// A user's rows and memories: cached, or read from the tables.
@@ -469,8 +486,8 @@ fn authenticate(st: &AppState, headers: &HeaderMap) -> Result<Scope, ApiError> {
     })
 }
 
-/// Whether `scope` may read `user_id`'s tenant.
-fn authorize(st: &AppState, scope: &Scope, user_id: &str) -> Result<(), ApiError> {
+/// Whether `scope` may read `user_id`'s tenant; a 403 names `field`.
+fn authorize(st: &AppState, scope: &Scope, user_id: &str, field: &str) -> Result<(), ApiError> {
     let tenant = tenant_of(user_id, st.separator);
     if scope.allows(tenant) {
         Ok(())
@@ -478,7 +495,7 @@ fn authorize(st: &AppState, scope: &Scope, user_id: &str) -> Result<(), ApiError
         Err(ApiError {
             status: StatusCode::FORBIDDEN,
             code: "forbidden",
-            field: Some("user_id".into()),
+            field: Some(field.to_owned()),
             message: format!("this token may not read tenant {tenant:?}"),
             request_id: None,
         })
@@ -816,7 +833,7 @@ async fn retrieve_inner(
     let body = read_body(st, body).await?;
     let mut req: RetrieveRequest = api::parse(&body)?;
     req.check(steamrf_schemas::tables::EMBEDDING_DIM)?;
-    authorize(st, &scope, &req.user_id)?;
+    authorize(st, &scope, &req.user_id, "user_id")?;
     let p = params_for(&st.cfg, &req)?;
     let permit = st.admit()?;
     let gone = Arc::new(AtomicBool::new(false));
@@ -827,22 +844,13 @@ async fn retrieve_inner(
     };
     let (q, embed_time) = query_vector(st, &mut req).await?;
     let collaborative = req.collaborative.unwrap_or(st.cfg.collaborative);
-    let snap = st.snapshot();
-    let user = st.user_data(&snap, &req.user_id, budget.deadline).await?;
-    let members = if collaborative {
-        st.members_of(&snap, &user, budget.deadline).await?
-    } else {
-        Vec::new()
-    };
+    let view = st
+        .view(&req.user_id, collaborative, budget.deadline)
+        .await?;
     let st2 = st.clone();
     let user_id = req.user_id;
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let view = View {
-            snap: &snap,
-            user: &user,
-            members: &members,
-        };
         answer(
             &st2,
             &view,
@@ -862,7 +870,7 @@ async fn retrieve_inner(
 #[allow(clippy::too_many_arguments)]
 fn answer(
     st: &AppState,
-    view: &View<'_>,
+    view: &View,
     user_id: String,
     q: &[f32],
     p: &RfMemParams,
@@ -942,7 +950,7 @@ fn answer(
 
 /// STEAM's local-to-global step, limited to the user's tenant and to
 /// published prototypes; other users appear only as memory and item ids.
-fn local_to_global(st: &AppState, view: &View<'_>, user_id: &str, q: &[f32]) -> Vec<Collaborative> {
+fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<Collaborative> {
     let mut qn = q.to_vec();
     steamrf_operators::embed::normalize(&mut qn);
     let params = RecommendParams {
@@ -1025,28 +1033,21 @@ async fn recommend_inner(st: &Arc<AppState>, req: Request) -> Result<RecommendRe
     let body = read_body(st, body).await?;
     let req: RecommendRequest = api::parse(&body)?;
     req.check()?;
-    authorize(st, &scope, &req.user_id)?;
+    authorize(st, &scope, &req.user_id, "user_id")?;
     let permit = st.admit()?;
     let deadline = Instant::now() + st.cfg.request_timeout;
-    let snap = st.snapshot();
-    let user = st.user_data(&snap, &req.user_id, deadline).await?;
-    let members = st.members_of(&snap, &user, deadline).await?;
+    let view = st.view(&req.user_id, true, deadline).await?;
     let st2 = st.clone();
     // Up to MAX_CANDIDATES retrievals: off the async workers.
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let view = View {
-            snap: &snap,
-            user: &user,
-            members: &members,
-        };
         rank(&st2, &view, req)
     })
     .await
     .map_err(|e| ApiError::internal(format!("ranking panicked: {e}")))
 }
 
-fn rank(st: &AppState, view: &View<'_>, req: RecommendRequest) -> RecommendResponse {
+fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse {
     let mut known = Vec::new();
     let mut unknown = Vec::new();
     for c in &req.candidates {
