@@ -180,7 +180,7 @@ async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
             .execute()
             .await
             .map_err(Error::lance("appending turns"))?;
-        if rows % (BATCH * 20) == 0 {
+        if rows.is_multiple_of(BATCH * 20) {
             println!(
                 "tables: {rows} rows in {:.0}s",
                 started.elapsed().as_secs_f64()
@@ -289,13 +289,13 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
 
     // Freshness: commit → answerable.
     let mut fresh_ms = Vec::with_capacity(b.fresh);
-    let mut offset = (b.users * b.rows_per_user) as i64;
+    let first_offset = (b.users * b.rows_per_user) as i64;
     for i in 0..b.fresh {
+        let offset = first_offset + i as i64;
         let u = hot[rng.random_range(0..hot.len())];
         let turn = b.rows_per_user + 1_000_000 + i;
         let v = vectors.fresh();
         let batch = turns(&[(u, turn)], offset, |_, _| v.clone())?;
-        offset += 1;
         let want = format!("soak-u{u}-t{turn}");
         sink.write(TableName::Interactions, &batch).await?;
         let committed = Instant::now();

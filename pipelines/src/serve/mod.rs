@@ -1264,10 +1264,10 @@ async fn refresh_loop(
                 // back. Without this, glibc's per-thread arenas kept the
                 // garbage and RSS grew with each swap (`bench soak`: 125 ->
                 // 780 MiB in 3 minutes; docs/reliability.md).
-                if evicted > 0 || changes.all {
-                    if let Err(e) = tokio::task::spawn_blocking(crate::alloc::trim).await {
-                        tracing::warn!(error = %e, "Trimming the heap failed.");
-                    }
+                if (evicted > 0 || changes.all)
+                    && let Err(e) = tokio::task::spawn_blocking(crate::alloc::trim).await
+                {
+                    tracing::warn!(error = %e, "Trimming the heap failed.");
                 }
                 tracing::debug!(
                     users = changes.users.len(),
