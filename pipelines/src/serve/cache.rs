@@ -585,16 +585,29 @@ impl Tables {
         let Some(t) = self.table(name) else {
             return Ok(Vec::new());
         };
-        let mut q = t.query().select(Select::columns(columns));
-        if let Some(f) = filter {
-            q = q.only_if(f);
+        let read = || async {
+            let mut q = t.query().select(Select::columns(columns));
+            if let Some(f) = &filter {
+                q = q.only_if(f.clone());
+            }
+            q.execute().await?.try_collect::<Vec<_>>().await
+        };
+        match read().await {
+            Ok(batches) => Ok(batches),
+            // The handle's version may be gone: a forget compacts the tables
+            // and prunes their old versions at once, so a read between that
+            // and the next refresh finds its files deleted. Move to the
+            // latest version and read again, once.
+            Err(first) => {
+                tracing::debug!(table = name, error = %first, "Reading failed; retrying at the latest version.");
+                t.checkout_latest()
+                    .await
+                    .map_err(Error::lance(format!("reading {name}")))?;
+                read()
+                    .await
+                    .map_err(Error::lance(format!("reading {name}")))
+            }
         }
-        q.execute()
-            .await
-            .map_err(Error::lance(format!("reading {name}")))?
-            .try_collect()
-            .await
-            .map_err(Error::lance(format!("reading {name}")))
     }
 
     /// Reads the shared part: the catalogue and the published prototypes.
