@@ -127,6 +127,8 @@ pub struct ServeConfig {
     pub events_topic: String,
     /// Events per `POST /v1/events` request at most.
     pub max_events: usize,
+    /// `Host` headers `/mcp` answers (empty: any).
+    pub mcp_allowed_hosts: Vec<String>,
     /// RF-Mem parameters (each overridable per request in `options`, up to
     /// the configured values of the cost keys).
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
@@ -966,6 +968,11 @@ impl Config {
         }
         if v.max_events == 0 {
             p.push("serve.max_events: must be > 0".to_owned());
+        }
+        if let Some(h) = v.mcp_allowed_hosts.iter().find(|h| h.trim().is_empty()) {
+            p.push(format!(
+                "serve.mcp_allowed_hosts: {h:?} is not a host (leave the list empty to allow any)"
+            ));
         }
         if v.cache_bytes.0 < 1 << 20 {
             p.push(format!(

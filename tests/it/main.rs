@@ -837,6 +837,92 @@ fn http_events_reach_retrieval_through_kafka() {
     assert!(pipeline.sigterm().success());
 }
 
+/// An agent's session through MCP: the official Python SDK (PyPI `mcp`)
+/// against a real `steamrf serve` at /mcp and a running pipeline. The client
+/// (tests/it/mcp_agent.py) lists the tools, calls each, and checks results
+/// and refusals: 401 before MCP, 403 as tool errors (another tenant, forget
+/// without an admin token), invalid arguments. What it prints is the
+/// transcript in docs/agents.md.
+#[test]
+fn an_agent_uses_memory_through_mcp() {
+    let (dir, topic) = steam_topic("it-mcp");
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 1000,
+        linger_ms: 50,
+    };
+    let tokens = dir.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "writer-token-0123456789 default\nglobex-token-0123456789 globex\nadmin-token-0123456789 *\n",
+    )
+    .unwrap();
+    let extra = format!(
+        "[steam]\nenabled = true\n[serve]\nrefresh_interval = \"200ms\"\naccept_events = true\ntokens_file = \"{}\"\n",
+        tokens.display()
+    );
+    let config = cfg.write_with(&extra);
+    let service = Service::start(&config);
+    let pipeline = Pipeline::start(&config, None);
+    // Caught up: user3's first turn is answerable.
+    let started = Instant::now();
+    while !service
+        .post(
+            "/v1/retrieve",
+            Some("writer-token-0123456789"),
+            r#"{"user_id":"user3","query":"bebop","k":5,"options":{"mode":"familiarity"}}"#,
+        )
+        .1
+        .contains("Any more bebop")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{}",
+            pipeline.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = std::process::Command::new(python())
+        .arg(repo_root().join("tests/it/mcp_agent.py"))
+        .args([
+            &format!("http://127.0.0.1:{}/mcp", service.port),
+            "user3",
+            "writer-token-0123456789",
+            "globex-token-0123456789",
+            "admin-token-0123456789",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("OK"),
+        "{stdout}\n{stderr}\n--- serve ---\n{}\n--- run ---\n{}",
+        service.log_text(),
+        pipeline.log_text()
+    );
+    eprintln!("{stdout}{stderr}");
+    let metrics = http_get(service.port, "/metrics").unwrap();
+    for route in [
+        "mcp_retrieve",
+        "mcp_recommend",
+        "mcp_remember",
+        "mcp_forget",
+    ] {
+        assert!(
+            metrics.contains(&format!("route=\"{route}\",status=\"200\"}}")),
+            "{route} not counted"
+        );
+    }
+    assert!(
+        metrics.contains("route=\"mcp\",status=\"401\"} 2"),
+        "{metrics}"
+    );
+}
+
 /// The running service against its contract: schemathesis (PyPI, in the
 /// hash-pinned venv) generates requests from `docs/openapi.json`, valid and
 /// not, with and without the token, over tables a pipeline wrote. No 5xx,

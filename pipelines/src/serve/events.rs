@@ -112,19 +112,39 @@ fn key_of<'e>(e: &'e Event<'_>) -> (&'e str, Option<&'e str>) {
 }
 
 async fn events_inner(st: &Arc<AppState>, req: Request) -> Result<EventsResponse, ApiError> {
-    let Some(sink) = &st.events else {
-        return Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
-            field: None,
-            message: "POST /v1/events is off on this server (serve.accept_events)".into(),
-            request_id: None,
-        });
-    };
+    if st.events.is_none() {
+        return Err(off("POST /v1/events"));
+    }
     let (parts, body) = req.into_parts();
     let scope = authenticate(st, &parts.headers)?;
     let body = read_body(st, body).await?;
     let raws = split(&body)?;
+    let raws: Vec<&[u8]> = raws.iter().map(|r| r.get().as_bytes()).collect();
+    produce_as(st, &scope, &raws).await
+}
+
+/// The 404 of a write when `serve.accept_events` is off.
+pub(super) fn off(what: &str) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        code: "not_found",
+        field: None,
+        message: format!("{what} is off on this server (serve.accept_events)"),
+        request_id: None,
+    }
+}
+
+/// Checks every one of `raws` (the JSON of an event each) with the Kafka
+/// source's decoder and `scope`, then produces them all; nothing is produced
+/// when one is refused. `POST /v1/events` and MCP's `remember` and `forget`.
+pub(super) async fn produce_as(
+    st: &AppState,
+    scope: &Scope,
+    raws: &[&[u8]],
+) -> Result<EventsResponse, ApiError> {
+    let Some(sink) = &st.events else {
+        return Err(off("writing events"));
+    };
     if raws.is_empty() {
         return Err(ApiError::invalid("body", "no events"));
     }
@@ -140,8 +160,7 @@ async fn events_inner(st: &Arc<AppState>, req: Request) -> Result<EventsResponse
     }
     // Every event is checked before any is produced.
     let mut records = Vec::with_capacity(raws.len());
-    for (i, raw) in raws.iter().enumerate() {
-        let bytes = raw.get().as_bytes();
+    for (i, &bytes) in raws.iter().enumerate() {
         if bytes.len() > sink.max_event_bytes {
             return Err(ApiError::invalid(
                 format!("events[{i}]"),
@@ -162,8 +181,8 @@ async fn events_inner(st: &Arc<AppState>, req: Request) -> Result<EventsResponse
         })?;
         let (key, user) = key_of(&event);
         match user {
-            Some(u) => authorize(st, &scope, u, &format!("events[{i}].user_id"))?,
-            None if scope != Scope::All => {
+            Some(u) => authorize(st, scope, u, &format!("events[{i}].user_id"))?,
+            None if *scope != Scope::All => {
                 return Err(ApiError {
                     status: StatusCode::FORBIDDEN,
                     code: "forbidden",

@@ -13,7 +13,16 @@ use super::cache::{CacheStats, Snapshot, TABLES};
 use crate::metrics::{counter, gauge_vec, histogram};
 
 /// Routes, as label values.
-pub(super) const ROUTES: [&str; 3] = ["retrieve", "recommend", "events"];
+pub(super) const ROUTES: [&str; 8] = [
+    "retrieve",
+    "recommend",
+    "events",
+    "mcp",
+    "mcp_retrieve",
+    "mcp_recommend",
+    "mcp_remember",
+    "mcp_forget",
+];
 
 /// Every metric of `steamrf serve`.
 #[derive(Clone, Debug)]

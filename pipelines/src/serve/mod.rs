@@ -19,6 +19,7 @@
 pub mod auth;
 pub mod cache;
 pub mod events;
+mod mcp;
 mod metrics;
 
 use std::collections::BTreeMap;
@@ -831,9 +832,19 @@ async fn retrieve_inner(
     let (parts, body) = req.into_parts();
     let scope = authenticate(st, &parts.headers)?;
     let body = read_body(st, body).await?;
-    let mut req: RetrieveRequest = api::parse(&body)?;
+    let req: RetrieveRequest = api::parse(&body)?;
+    retrieve_as(st, &scope, req, started).await
+}
+
+/// `/v1/retrieve` (and MCP's `retrieve`) for a caller with `scope`.
+async fn retrieve_as(
+    st: &Arc<AppState>,
+    scope: &Scope,
+    mut req: RetrieveRequest,
+    started: Instant,
+) -> Result<RetrieveResponse, ApiError> {
     req.check(steamrf_schemas::tables::EMBEDDING_DIM)?;
-    authorize(st, &scope, &req.user_id, "user_id")?;
+    authorize(st, scope, &req.user_id, "user_id")?;
     let p = params_for(&st.cfg, &req)?;
     let permit = st.admit()?;
     let gone = Arc::new(AtomicBool::new(false));
@@ -1032,8 +1043,17 @@ async fn recommend_inner(st: &Arc<AppState>, req: Request) -> Result<RecommendRe
     let scope = authenticate(st, &parts.headers)?;
     let body = read_body(st, body).await?;
     let req: RecommendRequest = api::parse(&body)?;
+    recommend_as(st, &scope, req).await
+}
+
+/// `/v1/recommend` (and MCP's `recommend`) for a caller with `scope`.
+async fn recommend_as(
+    st: &Arc<AppState>,
+    scope: &Scope,
+    req: RecommendRequest,
+) -> Result<RecommendResponse, ApiError> {
     req.check()?;
-    authorize(st, &scope, &req.user_id, "user_id")?;
+    authorize(st, scope, &req.user_id, "user_id")?;
     let permit = st.admit()?;
     let deadline = Instant::now() + st.cfg.request_timeout;
     let view = st.view(&req.user_id, true, deadline).await?;
@@ -1110,6 +1130,7 @@ pub fn router(st: Arc<AppState>) -> Router {
         .route("/v1/retrieve", post(retrieve))
         .route("/v1/recommend", post(recommend))
         .route("/v1/events", post(events::events))
+        .route("/mcp", mcp::route(&st))
         .route(
             "/openapi.json",
             get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
