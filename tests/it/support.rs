@@ -57,10 +57,13 @@ pub fn steamrf_bin() -> PathBuf {
     p
 }
 
+/// `$STEAMRF_TOOLS` (default `<repo>/.tools`): what scripts/tools.sh installed.
+pub fn tools_dir() -> PathBuf {
+    std::env::var_os("STEAMRF_TOOLS").map_or_else(|| repo_root().join(".tools"), PathBuf::from)
+}
+
 pub fn python() -> PathBuf {
-    let p = std::env::var_os("STEAMRF_TOOLS")
-        .map_or_else(|| repo_root().join(".tools"), PathBuf::from)
-        .join("venv/bin/python");
+    let p = tools_dir().join("venv/bin/python");
     assert!(p.exists(), "{} missing: run scripts/tools.sh", p.display());
     p
 }
@@ -612,6 +615,59 @@ impl FakeChat {
             }
         });
         Self { url, prompts }
+    }
+}
+
+/// llama.cpp's OpenAI-compatible server (PyPI llama-cpp-python[server],
+/// built by scripts/tools.sh) serving SmolLM2-135M-Instruct, killed on drop.
+pub struct LlamaServer {
+    child: Child,
+    pub url: String,
+    pub log: PathBuf,
+}
+
+impl LlamaServer {
+    /// Starts it on a free port (its log in `dir`) and waits until it
+    /// answers `/v1/models`.
+    pub fn start(dir: &Path) -> Self {
+        let python = tools_dir().join("llm-venv/bin/python");
+        let model = tools_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        for p in [&python, &model] {
+            assert!(p.exists(), "{} missing: run scripts/tools.sh", p.display());
+        }
+        let port = free_port();
+        let log = dir.join(format!("llama-{port}.log"));
+        let child = Command::new(python)
+            .args(["-m", "llama_cpp.server", "--model"])
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let s = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while http_get(port, "/v1/models").is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "the llama.cpp server did not start:\n{}",
+                std::fs::read_to_string(&s.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        s
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
     }
 }
 
