@@ -533,3 +533,63 @@ impl ServerHandler for Tools {
             .with_instructions(INSTRUCTIONS)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(json: serde_json::Value) -> RememberArgs {
+        serde_json::from_value(json).unwrap()
+    }
+
+    /// `remember` builds events the Kafka source's decoder accepts, and
+    /// names the argument at fault otherwise.
+    #[test]
+    fn remember_builds_events_the_decoder_accepts() {
+        let field = |j| Tools::event(&args(j)).unwrap_err().field.unwrap();
+        for (j, kind) in [
+            (
+                serde_json::json!({"user_id": "u", "text": "hi"}),
+                "dialogue_turn",
+            ),
+            (
+                serde_json::json!({"user_id": "u", "text": "hi", "role": "assistant", "item_id": "i"}),
+                "dialogue_turn",
+            ),
+            (
+                serde_json::json!({"user_id": "u", "item_id": "i", "rating": 4.5}),
+                "click",
+            ),
+            (
+                serde_json::json!({"user_id": "u", "item_id": "i", "action": "purchase"}),
+                "purchase",
+            ),
+        ] {
+            let e = Tools::event(&args(j)).unwrap();
+            assert_eq!(e["type"], kind);
+            let bytes = serde_json::to_vec(&e).unwrap();
+            let decoded = steamrf_schemas::decode(&bytes).unwrap();
+            assert!(decoded.event_id().starts_with("mcp-"));
+        }
+        assert_eq!(field(serde_json::json!({"user_id": "u"})), "text");
+        assert_eq!(
+            field(serde_json::json!({"user_id": "u", "text": "x", "rating": 1})),
+            "rating"
+        );
+        assert_eq!(
+            field(serde_json::json!({"user_id": "u", "item_id": "i", "role": "user"})),
+            "role"
+        );
+        assert_eq!(
+            field(
+                serde_json::json!({"user_id": "u", "item_id": "i", "action": "purchase", "rating": 2})
+            ),
+            "rating"
+        );
+        // Unknown arguments are refused, not ignored.
+        assert!(
+            serde_json::from_value::<RememberArgs>(serde_json::json!({"user_id": "u", "txt": "x"}))
+                .is_err()
+        );
+    }
+}
