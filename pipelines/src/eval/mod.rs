@@ -46,3 +46,43 @@ pub(crate) fn write_table(dir: &Path, name: &str, table: &str) -> Result<PathBuf
     })?;
     Ok(file)
 }
+
+/// Resamples of a percentile bootstrap.
+pub(crate) const BOOTSTRAP_RESAMPLES: usize = 1000;
+
+/// The mean of `xs` and its 95% confidence interval: a percentile bootstrap
+/// over the units (users) with [`BOOTSTRAP_RESAMPLES`] resamples drawn with
+/// `seed`. Pass per-unit differences of two methods for the paired interval
+/// of their difference (the same resample applies to both).
+pub(crate) fn bootstrap_ci(xs: &[f64], seed: u64) -> (f64, f64, f64) {
+    use rand::{Rng, SeedableRng};
+    let n = xs.len();
+    if n == 0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut means: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| (0..n).map(|_| xs[rng.random_range(0..n)]).sum::<f64>() / n as f64)
+        .collect();
+    means.sort_by(f64::total_cmp);
+    let at = |q: f64| means[((q * (BOOTSTRAP_RESAMPLES - 1) as f64).round()) as usize];
+    (mean, at(0.025), at(0.975))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn bootstrap_intervals_cover_the_mean_and_shrink_with_more_units() {
+        let small: Vec<f64> = (0..20).map(|i| f64::from(i % 2)).collect();
+        let large: Vec<f64> = (0..2000).map(|i| f64::from(i % 2)).collect();
+        let (m, lo, hi) = super::bootstrap_ci(&small, 1);
+        assert!((m - 0.5).abs() < 1e-12 && lo < m && m < hi, "{lo} {m} {hi}");
+        let (m2, lo2, hi2) = super::bootstrap_ci(&large, 1);
+        assert!(lo2 < m2 && m2 < hi2 && hi2 - lo2 < (hi - lo) / 5.0);
+        // About ±1.96 standard errors: 0.5 / sqrt(2000) * 1.96 = 0.022.
+        assert!((hi2 - lo2 - 0.044).abs() < 0.01, "{lo2} {hi2}");
+        let (m, lo, hi) = super::bootstrap_ci(&[0.25; 7], 1);
+        assert!((m - 0.25).abs() < 1e-12 && (lo - 0.25).abs() < 1e-12 && (hi - 0.25).abs() < 1e-12);
+    }
+}

@@ -3,8 +3,10 @@
 //! interactions each; ../shared/data/README.md).
 //!
 //! For each user the first 7 interactions are the history and the 8th the
-//! target; candidates come from the `.random` file (drop the target if
-//! present, take the first 9, append the target, shuffle with the seed).
+//! target; candidates come from the `.random` file (drop the target and the
+//! user's history items, take the first 9, make up any shortfall with unseen
+//! items of the sample's pool drawn with a per-user seed, append the target,
+//! shuffle with the seed).
 //! Items are `The CD is called '{title}'. The category of this CD is:
 //! '{category}'.`, embedded by all-MiniLM-L6-v2.
 //!
@@ -15,7 +17,9 @@
 //! candidates ranked by `recommend`. Ablations: w/o CC (no collaborative
 //! terms), w/o MC (no consolidation), w/o AMU (one memory per user).
 //! Baselines in the same run: random, popularity, item-item CF, BM25 over the
-//! item texts. NDCG@1/5/10, mean ± std over the seeds.
+//! item texts. NDCG@1/5/10: the mean over users and its 95% confidence
+//! interval (percentile bootstrap over users), and steamrf's paired
+//! difference to the best baseline at each cutoff.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -71,7 +75,11 @@ pub(super) fn bad(what: String) -> Error {
     }
 }
 
-/// The users of one sample: test.inter gives history and target, .random the negatives.
+/// The users of one sample: test.inter gives history and target, .random the
+/// negatives. A negative is an item the user never interacted with: the
+/// `.random` items that are the target or in the history are dropped (24 of
+/// the 100 dense users have history items there), and the nine are made up
+/// with items of the sample's `.random` pool drawn with a seed per user.
 pub(super) fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
     let random: HashMap<String, Vec<String>> = read(&dir.join(format!("{name}.random")))?
         .lines()
@@ -84,6 +92,15 @@ pub(super) fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
             ))
         })
         .collect();
+    // Every item of the sample's candidate lists, sorted: where negatives
+    // are re-drawn from.
+    let pool: Vec<String> = random
+        .values()
+        .flatten()
+        .cloned()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     let mut out = Vec::new();
     for l in read(&dir.join(format!("{name}.test.inter")))?
         .lines()
@@ -93,22 +110,48 @@ pub(super) fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
         let [u, hist, target] = f[..] else {
             return Err(bad(format!("bad test.inter line {l:?}")));
         };
-        let negatives: Vec<String> = random
+        let history: Vec<String> = hist.split_whitespace().map(str::to_owned).collect();
+        let mut seen: HashSet<&str> = history.iter().map(String::as_str).collect();
+        seen.insert(target);
+        let mut negatives: Vec<String> = Vec::with_capacity(9);
+        for i in random
             .get(u)
             .ok_or_else(|| bad(format!("user {u} missing from .random")))?
-            .iter()
-            .filter(|i| *i != target)
-            .take(9)
-            .cloned()
-            .collect();
+        {
+            if negatives.len() < 9 && !seen.contains(i.as_str()) && !negatives.contains(i) {
+                negatives.push(i.clone());
+            }
+        }
+        if negatives.len() < 9 {
+            let mut excluded = seen.clone();
+            excluded.extend(negatives.iter().map(String::as_str));
+            let pool: Vec<&str> = pool.iter().map(String::as_str).collect();
+            let left = pool.iter().filter(|i| !excluded.contains(*i)).count();
+            if left < 9 - negatives.len() {
+                return Err(bad(format!(
+                    "user {u}: too few items they never interacted with for 9 negatives"
+                )));
+            }
+            let mut rng = StdRng::seed_from_u64(user_seed(u));
+            let more = unseen(&mut rng, &pool, &excluded, 9 - negatives.len());
+            negatives.extend(more);
+        }
         out.push(User {
             id: u.to_owned(),
-            history: hist.split_whitespace().map(str::to_owned).collect(),
+            history,
             target: target.to_owned(),
             negatives,
         });
     }
     Ok(out)
+}
+
+/// A seed of a user id (FNV-1a), so re-drawn negatives do not depend on the
+/// order users are read in.
+fn user_seed(user: &str) -> u64 {
+    user.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 fn ndcg_at(rank: usize, k: usize) -> f64 {
@@ -532,9 +575,13 @@ pub(super) fn rankers<'a>(
     ]
 }
 
-/// Per method (name, [NDCG@1, @5, @10]), and the memory counts (full, w/o
-/// MC, w/o AMU, published prototypes).
-type Evaluated = (Vec<(&'static str, [f64; 3])>, (usize, usize, usize, usize));
+/// Per method (name, per user [NDCG@1, @5, @10] in the sample's user
+/// order), and the memory counts (full, w/o MC, w/o AMU, published
+/// prototypes).
+type Evaluated = (
+    Vec<(&'static str, Vec<[f64; 3]>)>,
+    (usize, usize, usize, usize),
+);
 
 /// Every method on one sample.
 fn evaluate(
@@ -560,7 +607,7 @@ fn evaluate(
         .collect();
     let mut out = Vec::new();
     for (name, rank) in &rankers {
-        let mut acc = [0.0f64; 3];
+        let mut per_user = Vec::with_capacity(users.len());
         for (u, c) in users.iter().zip(&cands) {
             let s = rank(u, c);
             let target = c.iter().position(|i| *i == u.target).unwrap_or(0);
@@ -568,11 +615,9 @@ fn evaluate(
             let r = (0..c.len())
                 .filter(|&j| s[j] > s[target] || (s[j] == s[target] && j < target))
                 .count();
-            for (a, k) in acc.iter_mut().zip([1, 5, 10]) {
-                *a += ndcg_at(r, k);
-            }
+            per_user.push([1, 5, 10].map(|k| ndcg_at(r, k)));
         }
-        out.push((*name, acc.map(|a| a / users.len().max(1) as f64)));
+        out.push((*name, per_user));
     }
     let counts = (
         states[0].len(),
@@ -713,6 +758,13 @@ pub(super) fn recommend_params() -> (RecommendParams, RecommendParams) {
     (rec, no_cc)
 }
 
+/// The baselines steamrf is compared with: (ranker name, RESULT-line name).
+const BASELINES: [(&str, &str); 3] = [
+    ("popularity", "popularity"),
+    ("item-item CF", "item_cf"),
+    ("BM25 (item text)", "bm25"),
+];
+
 /// The ranking protocol.
 async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let started = Instant::now();
@@ -765,9 +817,12 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     )];
 
     let bm25 = Bm25::new(&texts);
-    // ranker name → [seed] → (ndcg1, ndcg5, ndcg10)
+    // Per method: user id → (sum of [NDCG@1, @5, @10] over the seeds, seeds).
+    // A user is one unit of the bootstrap: the CDs seeds reshuffle the same
+    // users (their ± was only tie-breaking), so a user's NDCG is averaged
+    // over the shuffles; the ML seeds draw other users.
     let mut names: Vec<&'static str> = Vec::new();
-    let mut results: BTreeMap<usize, Vec<[f64; 3]>> = BTreeMap::new();
+    let mut per_user: Vec<BTreeMap<String, ([f64; 3], usize)>> = Vec::new();
     let mut memories = (0, 0, 0, 0);
     let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
@@ -775,39 +830,87 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();
-        for (ri, (_, v)) in rows.into_iter().enumerate() {
-            results.entry(ri).or_default().push(v);
+        per_user.resize_with(rows.len(), BTreeMap::new);
+        for (ri, (_, values)) in rows.into_iter().enumerate() {
+            for (u, v) in sample.users.iter().zip(values) {
+                let e = per_user[ri].entry(u.id.clone()).or_insert(([0.0; 3], 0));
+                for (sum, x) in e.0.iter_mut().zip(v) {
+                    *sum += x;
+                }
+                e.1 += 1;
+            }
         }
     }
     bar.finish_and_clear();
-    let stat = |v: &[[f64; 3]], m: usize| mean_sd(&v.iter().map(|x| x[m]).collect::<Vec<_>>());
+    // units[method][user] = [NDCG@1, @5, @10], users in the same order.
+    let units: Vec<Vec<[f64; 3]>> = per_user
+        .iter()
+        .map(|by| by.values().map(|(s, n)| s.map(|x| x / *n as f64)).collect())
+        .collect();
+    let n_users = units.first().map_or(0, Vec::len);
+    let column = |ri: usize, m: usize| units[ri].iter().map(|v| v[m]).collect::<Vec<f64>>();
+    let ci = |xs: &[f64]| super::bootstrap_ci(xs, 0x5eed);
+    let stat = |ri: usize, m: usize| ci(&column(ri, m)).0;
     let mut table = format!(
-        "{} ({} users per seed, 1 target + 9 negatives), {} seeds\n\n| method | NDCG@1 | NDCG@5 | NDCG@10 |\n| --- | ---: | ---: | ---: |\n",
+        "{} ({} users per seed, 1 target + 9 negatives the user never interacted with), {} seeds, {n_users} users\n\n\
+         Mean NDCG and its 95% confidence interval: a percentile bootstrap over users, {} resamples \
+         (a user's NDCG is averaged over the seeds it appears in); the difference is paired (the same \
+         resampled users for both methods).\n\n| method | NDCG@1 | NDCG@5 | NDCG@10 |\n| --- | ---: | ---: | ---: |\n",
         e.subset,
         samples.first().map_or(0, |s| s.users.len()),
-        e.seeds.len()
+        e.seeds.len(),
+        super::BOOTSTRAP_RESAMPLES,
     );
-    let mut headline = [0.0; 3];
     for (ri, name) in names.iter().enumerate() {
-        let v = &results[&ri];
         let cells: Vec<String> = (0..3)
             .map(|m| {
-                let (mean, sd) = stat(v, m);
-                format!("{mean:.3} ± {sd:.3}")
+                let (mean, lo, hi) = ci(&column(ri, m));
+                format!("{mean:.3} [{lo:.3}, {hi:.3}]")
             })
             .collect();
-        if ri == 0 {
-            headline = [stat(v, 0).0, stat(v, 1).0, stat(v, 2).0];
-        }
         table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));
     }
+    // steamrf against the best baseline at each cutoff (by its mean).
+    let baselines: Vec<usize> = names
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| BASELINES.iter().any(|b| b.0 == **n))
+        .map(|(i, _)| i)
+        .collect();
+    let mut diffs = Vec::new();
+    for m in 0..3 {
+        let Some(&best) = baselines
+            .iter()
+            .max_by(|&&a, &&b| stat(a, m).total_cmp(&stat(b, m)))
+        else {
+            continue;
+        };
+        let d: Vec<f64> = units[0]
+            .iter()
+            .zip(&units[best])
+            .map(|(s, b)| s[m] - b[m])
+            .collect();
+        diffs.push((best, ci(&d)));
+    }
+    if diffs.len() == 3 {
+        let cells: Vec<String> = diffs
+            .iter()
+            .map(|(best, (d, lo, hi))| format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs {}", names[*best]))
+            .collect();
+        table.push_str(&format!(
+            "| {} − best baseline | {} |\n",
+            names[0],
+            cells.join(" | ")
+        ));
+    }
+    let headline = [0, 1, 2].map(|m| ci(&column(0, m)));
     let file = super::write_table(&e.out, &format!("steam-{}.md", e.subset), &table)?;
     let series: Vec<super::plot::Series> = names
         .iter()
         .enumerate()
         .map(|(ri, name)| super::plot::Series {
             name: (*name).to_owned(),
-            values: (0..3).map(|m| stat(&results[&ri], m).0).collect(),
+            values: (0..3).map(|m| stat(ri, m)).collect(),
         })
         .collect();
     let plot = super::plot::bars(
@@ -832,10 +935,23 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         super::plot::said(&plot),
         started.elapsed().as_secs_f64()
     ));
-    out.push(format!(
-        "RESULT ndcg1={:.4} ndcg5={:.4} ndcg10={:.4}",
-        headline[0], headline[1], headline[2]
-    ));
+    let mut result = format!("RESULT users={n_users}");
+    for (m, k) in [1, 5, 10].into_iter().enumerate() {
+        let (mean, lo, hi) = headline[m];
+        result.push_str(&format!(
+            " ndcg{k}={mean:.4} ndcg{k}_lo={lo:.4} ndcg{k}_hi={hi:.4}"
+        ));
+    }
+    for ((best, (d, lo, hi)), k) in diffs.iter().zip([1, 5, 10]) {
+        let slug = BASELINES
+            .iter()
+            .find(|b| b.0 == names[*best])
+            .map_or("?", |b| b.1);
+        result.push_str(&format!(
+            " best{k}={slug} diff{k}={d:.4} diff{k}_lo={lo:.4} diff{k}_hi={hi:.4}"
+        ));
+    }
+    out.push(result);
     Ok(out)
 }
 
@@ -900,6 +1016,33 @@ mod tests {
             u[0].negatives,
             ["10", "11", "12", "13", "14", "15", "16", "17", "18"]
         );
+    }
+
+    #[test]
+    fn negatives_the_user_interacted_with_are_redrawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = "CDs-100-user-dense";
+        std::fs::write(
+            dir.path().join(format!("{name}.test.inter")),
+            "user_id:token\titem_id_list:token_seq\titem_id:token\nu1\t1 2 10\t9\nu2\t5\t6\n",
+        )
+        .unwrap();
+        // u1's list holds its history items 10 and 2 and its target 9.
+        std::fs::write(
+            dir.path().join(format!("{name}.random")),
+            "u1\t9 10 11 2 12 13 14 15 16 17 18\nu2\t20 21 22 23 24 25 26 27 28 29\n",
+        )
+        .unwrap();
+        let u = users(dir.path(), name).unwrap();
+        let n = &u[0].negatives;
+        assert_eq!(n.len(), 9);
+        assert_eq!(n[..8], ["11", "12", "13", "14", "15", "16", "17", "18"]);
+        for bad in ["1", "2", "10", "9"] {
+            assert!(!n.iter().any(|x| x == bad), "{n:?}");
+        }
+        assert_eq!(n.iter().collect::<HashSet<_>>().len(), 9, "{n:?}");
+        // Deterministic.
+        assert_eq!(users(dir.path(), name).unwrap()[0].negatives, *n);
     }
 
     #[test]
