@@ -322,6 +322,10 @@ pub(super) fn steam_state(
 pub(super) struct Sample {
     pub(super) users: Vec<User>,
     pub(super) train: Vec<(String, String)>,
+    /// The users not under test, each with every interaction as its
+    /// history: STEAM learns from them too, as popularity and item-item CF
+    /// learn from `train` (ML-100K; the CDs samples have none).
+    pub(super) others: Vec<User>,
 }
 
 /// Items' titles and categories, and (user, item, timestamp) ratings.
@@ -456,7 +460,23 @@ pub(super) fn ml_sample(
         .filter(|(u, i, _)| !targets.contains(&(u.as_str(), i.as_str())))
         .map(|(u, i, _)| (u.clone(), i.clone()))
         .collect();
-    Sample { users, train }
+    let tested: HashSet<&str> = ids.iter().copied().collect();
+    let mut others: Vec<User> = by_user
+        .iter()
+        .filter(|(u, _)| !tested.contains(*u))
+        .map(|(u, v)| User {
+            id: (*u).to_owned(),
+            history: v.iter().map(|x| x.1.to_owned()).collect(),
+            target: String::new(),
+            negatives: Vec::new(),
+        })
+        .collect();
+    others.sort_by(|a, b| a.id.cmp(&b.id));
+    Sample {
+        users,
+        train,
+        others,
+    }
 }
 
 /// Item-item cosine over who interacted: one bitset of users per item.
@@ -592,7 +612,10 @@ fn evaluate(
     seed: u64,
 ) -> Result<Evaluated> {
     let users = &sample.users;
-    let states = steam_states(users, items)?;
+    // STEAM learns from the same interactions as the baselines: the test
+    // users' histories and every other user's.
+    let learners: Vec<User> = users.iter().chain(&sample.others).cloned().collect();
+    let states = steam_states(&learners, items)?;
     let cf = ItemUsers::new(&sample.train);
     let rankers = rankers(&states, items, &cf, texts, bm25, seed);
     let mut rng = StdRng::seed_from_u64(seed);
@@ -783,6 +806,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 .map(|_| Sample {
                     users: users.clone(),
                     train: train.clone(),
+                    others: Vec::new(),
                 })
                 .collect();
             (cds_catalogue(&e.data)?, samples)
@@ -802,9 +826,11 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let mut needed: Vec<String> = Vec::new();
     for s in &samples {
         for u in &s.users {
-            needed.extend(u.history.iter().cloned());
             needed.extend(u.negatives.iter().cloned());
             needed.push(u.target.clone());
+        }
+        for u in s.users.iter().chain(&s.others) {
+            needed.extend(u.history.iter().cloned());
         }
     }
     let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
@@ -1081,5 +1107,19 @@ mod tests {
             assert!(!s.train.contains(&(u.id.clone(), u.target.clone())));
         }
         assert_eq!(s.train.len(), ratings.len() - 100);
+        // STEAM learns from the same interactions: the 20 other users whole.
+        assert_eq!(s.others.len(), 20);
+        assert!(
+            s.others
+                .iter()
+                .all(|o| o.history.len() == 5 && !s.users.iter().any(|u| u.id == o.id))
+        );
+        let learned: usize = s
+            .users
+            .iter()
+            .chain(&s.others)
+            .map(|u| u.history.len())
+            .sum();
+        assert_eq!(learned, s.train.len());
     }
 }
