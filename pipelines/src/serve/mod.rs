@@ -9,6 +9,8 @@
 //! - `POST /v1/events` (with `serve.accept_events`): events into the
 //!   pipeline's input topic, for clients that do not speak Kafka; see
 //!   [`events`].
+//! - `/mcp`: the same as Model Context Protocol tools for LLM agents
+//!   (`retrieve`, `recommend`, `remember`, `forget`); see `mcp.rs`.
 //! - `GET /healthz`, `/readyz` (after the first snapshot), `/metrics`,
 //!   `/openapi.json` (the checked-in `docs/openapi.json`).
 //!
