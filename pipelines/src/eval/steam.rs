@@ -42,7 +42,9 @@ pub struct SteamEval {
     /// The amazon_cds_agentcf directory, or ml-100k's.
     pub data: PathBuf,
     /// cds-dense, cds-sparse, ml100k-catalogue (negatives from the whole
-    /// catalogue) or ml100k-users (negatives from the sampled users' items).
+    /// catalogue), ml100k-users (negatives from the sampled users' items) or
+    /// ml100k-paper (the paper's sample: 5 history ratings and the target
+    /// per user, nothing else learned from).
     pub subset: String,
     /// Shuffle seeds.
     pub seeds: Vec<u64>,
@@ -479,6 +481,27 @@ pub(super) fn ml_sample(
     }
 }
 
+/// The STEAM paper's ML-100K sample (its Table 1: 100 users, 600
+/// interactions): each user keeps its last 6 ratings, 5 as the history and
+/// the target, and every method learns from those 500 history ratings only.
+/// Negatives stay items the user never rated, from the sampled users' items.
+pub(super) fn paper_sample(mut s: Sample) -> Sample {
+    for u in &mut s.users {
+        let cut = u.history.len().saturating_sub(PAPER_HISTORY);
+        u.history.drain(..cut);
+    }
+    s.train = s
+        .users
+        .iter()
+        .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))
+        .collect();
+    s.others.clear();
+    s
+}
+
+/// History length of [`paper_sample`].
+const PAPER_HISTORY: usize = 5;
+
 /// Item-item cosine over who interacted: one bitset of users per item.
 pub(super) struct ItemUsers {
     sets: HashMap<String, Vec<u64>>,
@@ -821,6 +844,15 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 .collect();
             ((meta, ML_TEMPLATE), samples)
         }
+        "ml100k-paper" => {
+            let (meta, ratings) = movielens(&e.data)?;
+            let samples = e
+                .seeds
+                .iter()
+                .map(|&seed| paper_sample(ml_sample(&ratings, &meta, seed, true)))
+                .collect();
+            ((meta, ML_TEMPLATE), samples)
+        }
         other => return Err(bad(format!("unknown subset {other:?}"))),
     };
     let mut needed: Vec<String> = Vec::new();
@@ -1121,5 +1153,20 @@ mod tests {
             .map(|u| u.history.len())
             .sum();
         assert_eq!(learned, s.train.len());
+        // The paper's sample: the last 5 history ratings, learned from alone.
+        let full = ml_sample(&ratings, &meta, 7, true);
+        let p = paper_sample(ml_sample(&ratings, &meta, 7, true));
+        for (u, f) in p.users.iter().zip(&full.users) {
+            assert_eq!(
+                u.history[..],
+                f.history[f.history.len().saturating_sub(5)..]
+            );
+            assert_eq!((&u.target, &u.negatives), (&f.target, &f.negatives));
+        }
+        assert!(p.others.is_empty());
+        assert_eq!(
+            p.train.len(),
+            p.users.iter().map(|u| u.history.len()).sum::<usize>()
+        );
     }
 }
