@@ -853,6 +853,18 @@ fn kafka_events_to_a_retrieval_answer() {
     assert!(pipeline.sigterm().success());
 }
 
+/// A tokens file in `dir`: `writer-token-0123456789` for tenant `default`,
+/// `globex-token-0123456789` for `globex`, `admin-token-0123456789` for all.
+fn tenant_tokens(dir: &std::path::Path) -> std::path::PathBuf {
+    let tokens = dir.join("tokens");
+    std::fs::write(
+        &tokens,
+        "writer-token-0123456789 default\nglobex-token-0123456789 globex\nadmin-token-0123456789 *\n",
+    )
+    .unwrap();
+    tokens
+}
+
 /// `POST /v1/events` → Kafka → `steamrf run` → `/v1/retrieve`: the HTTP write
 /// path is the Kafka write path. A request with one bad event produces
 /// nothing, tokens are scoped to their tenants, and a resent request adds
@@ -868,12 +880,7 @@ fn http_events_reach_retrieval_through_kafka() {
         max_rows: 1000,
         linger_ms: 50,
     };
-    let tokens = dir.path().join("tokens");
-    std::fs::write(
-        &tokens,
-        "writer-token-0123456789 default\nglobex-token-0123456789 globex\nadmin-token-0123456789 *\n",
-    )
-    .unwrap();
+    let tokens = tenant_tokens(dir.path());
     let extra = format!(
         "[serve]\nrefresh_interval = \"200ms\"\naccept_events = true\ntokens_file = \"{}\"\n",
         tokens.display()
@@ -1022,12 +1029,7 @@ fn an_agent_uses_memory_through_mcp() {
         max_rows: 1000,
         linger_ms: 50,
     };
-    let tokens = dir.path().join("tokens");
-    std::fs::write(
-        &tokens,
-        "writer-token-0123456789 default\nglobex-token-0123456789 globex\nadmin-token-0123456789 *\n",
-    )
-    .unwrap();
+    let tokens = tenant_tokens(dir.path());
     let extra = format!(
         "[steam]\nenabled = true\n[serve]\nrefresh_interval = \"200ms\"\naccept_events = true\ntokens_file = \"{}\"\n",
         tokens.display()
