@@ -180,6 +180,7 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
         [
             "interactions",
             "profiles",
+            "passages",
             "memories",
             "memory_links",
             "prototypes"
@@ -193,7 +194,7 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
             .all(|t| t["versions_pruned"].as_u64().unwrap() > 0),
         "{receipt}"
     );
-    for table in ["interactions", "profiles", "memories"] {
+    for table in ["interactions", "profiles", "passages", "memories"] {
         assert_eq!(
             sql_count(
                 &uri,
