@@ -4,8 +4,9 @@
 //! Each memory item is a session of turns (a conversation with a contact, a
 //! user–AI session, a purchase session). As `steamrf serve` does for a
 //! dialogue session: the turns are embedded one by one and the row's vector
-//! is their normalised mean (or, as an ablation, the official whole-item
-//! vector cut at 256 tokens); the windows of consecutive turns get a header
+//! is their normalised mean (ablations: the mean of its windows' vectors,
+//! the session embedded whole with its header, and the official whole-item
+//! vector, the last two cut at the model's limit); the windows of consecutive turns get a header
 //! ("Conversation with Samuel Mills on 2024-10-14") and one vector each; BM25
 //! indexes the session's text.
 //!
@@ -140,6 +141,8 @@ pub(super) struct HybridUser {
     pub segments: Vec<String>,
     pub by_turns: PassageIndex,
     pub by_item: PassageIndex,
+    pub by_windows: PassageIndex,
+    pub by_head: PassageIndex,
     /// Whole items only, no windows, no lexical side: plain top-k.
     pub plain: PassageIndex,
 }
@@ -177,9 +180,11 @@ pub(super) async fn build(
     let mut turn_texts = Vec::new();
     let mut window_texts = Vec::new();
     let mut lexical_docs: Vec<Vec<String>> = Vec::new();
+    let mut head_texts = Vec::new();
     for user in items {
         let mut docs = Vec::new();
         for unit in user {
+            head_texts.push(render(&unit.header, &unit.turns));
             turn_texts.extend(unit.turns.iter().cloned());
             for r in windows(unit.turns.len(), w) {
                 window_texts.push(render(&unit.header, &unit.turns[r]));
@@ -197,6 +202,7 @@ pub(super) async fn build(
     };
     let tv = emb(turn_texts).await?;
     let wv = emb(window_texts).await?;
+    let hv = emb(head_texts).await?;
     out.push(format!(
         "  passages: {n_turns} turns and {n_windows} windows of up to {} turns (one ending at each turn) embedded in {:.1} s ({} windows cut to the model's limit)",
         w.turns,
@@ -204,7 +210,7 @@ pub(super) async fn build(
         wv.truncated
     ));
     let dim = tv.dim.max(wv.dim);
-    let (mut t_at, mut w_at) = (0usize, 0usize);
+    let (mut t_at, mut w_at, mut h_at) = (0usize, 0usize, 0usize);
     let mut users = Vec::new();
     for ((user, segs), (docs, item_vecs)) in items
         .iter()
@@ -212,6 +218,9 @@ pub(super) async fn build(
         .zip(lexical_docs.into_iter().zip(item_vectors))
     {
         let mut rows = Vec::with_capacity(user.len() * dim);
+        let mut window_means = Vec::with_capacity(user.len() * dim);
+        let heads = hv.vectors[h_at * dim..(h_at + user.len()) * dim].to_vec();
+        h_at += user.len();
         let mut wins = Vec::new();
         let mut owner = Vec::new();
         for (i, unit) in user.iter().enumerate() {
@@ -227,6 +236,15 @@ pub(super) async fn build(
             rows.extend(v);
             t_at += unit.turns.len();
             let n = windows(unit.turns.len(), w).len();
+            let mut m = vec![0.0f32; dim];
+            for x in wv.vectors[w_at * dim..(w_at + n) * dim].chunks_exact(dim) {
+                m.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+            }
+            if n == 0 {
+                m.copy_from_slice(&item_vecs[i * dim..(i + 1) * dim]);
+            }
+            normalize(&mut m);
+            window_means.extend(m);
             wins.extend_from_slice(&wv.vectors[w_at * dim..(w_at + n) * dim]);
             owner.extend(std::iter::repeat_n(i as u32, n));
             w_at += n;
@@ -241,6 +259,20 @@ pub(super) async fn build(
         .map_err(internal)?;
         let by_item = PassageIndex::new(
             store(item_vecs.clone(), dim)?,
+            store(wins.clone(), dim)?,
+            owner.clone(),
+            Some(lexical()),
+        )
+        .map_err(internal)?;
+        let by_windows = PassageIndex::new(
+            store(window_means, dim)?,
+            store(wins.clone(), dim)?,
+            owner.clone(),
+            Some(lexical()),
+        )
+        .map_err(internal)?;
+        let by_head = PassageIndex::new(
+            store(heads, dim)?,
             store(wins, dim)?,
             owner,
             Some(lexical()),
@@ -257,6 +289,8 @@ pub(super) async fn build(
             segments: segs,
             by_turns,
             by_item,
+            by_windows,
+            by_head,
             plain,
         });
     }
@@ -278,6 +312,11 @@ pub(super) enum RowVector {
     Turns,
     /// The official whole-item vector (cut at 256 tokens).
     Item,
+    /// The normalised mean of its windows' vectors.
+    Windows,
+    /// The session rendered with its header, embedded whole (cut at the
+    /// model's limit: in practice its first turns).
+    Head,
     /// The whole-item vector and nothing else (the top-k baseline).
     Plain,
 }
@@ -309,6 +348,8 @@ pub(super) fn run(
         let ix = match c.row_vector {
             RowVector::Turns => &u.by_turns,
             RowVector::Item => &u.by_item,
+            RowVector::Windows => &u.by_windows,
+            RowVector::Head => &u.by_head,
             RowVector::Plain => &u.plain,
         };
         for k in [5, 10] {
@@ -344,7 +385,12 @@ pub(super) fn run(
 /// paths (recollection, RF-Mem gates) at each familiarity setting's best.
 pub(super) fn sweep() -> Vec<Config> {
     let mut out = Vec::new();
-    for row_vector in [RowVector::Turns, RowVector::Item] {
+    for row_vector in [
+        RowVector::Turns,
+        RowVector::Windows,
+        RowVector::Head,
+        RowVector::Item,
+    ] {
         for mix in [0.0f32, 0.25, 0.5, 0.75, 1.0] {
             for lexical_weight in [0.0f32, 0.1, 0.2, 0.3, 0.5, 0.75] {
                 out.push(Config {
@@ -414,6 +460,8 @@ pub(super) fn name(c: &Config) -> String {
         match c.row_vector {
             RowVector::Turns => "turn-mean",
             RowVector::Item => "item",
+            RowVector::Windows => "window-mean",
+            RowVector::Head => "session-head",
             RowVector::Plain => "plain item",
         },
         c.hybrid.mix,

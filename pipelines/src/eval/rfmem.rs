@@ -682,7 +682,7 @@ fn hybrid_section(
         ));
     }
     let chosen_path = best(&paths);
-    table.push_str("\nHybrid RF-Mem over passages. Familiarity sweep (the tuning split's Recall@10 chooses among the turn-mean rows, which the service has; item rows, the official whole-item vector cut at 256 tokens, are an ablation; the test split's Recall@10 is shown beside it):\n\n| configuration | tuning R@10 | test R@10 |\n| --- | ---: | ---: |\n");
+    table.push_str("\nHybrid RF-Mem over passages. Familiarity sweep (the tuning split's Recall@10 chooses among the turn-mean rows, which the service has; the ablations are window-mean rows (the mean of a session's window vectors), session-head rows (the session with its header embedded whole, cut at the model's limit) and item rows (the official whole-item vector, cut at 256 tokens); the test split's Recall@10 is shown beside it):\n\n| configuration | tuning R@10 | test R@10 |\n| --- | ---: | ---: |\n");
     for (i, (c, t, v)) in rows.iter().enumerate() {
         table.push_str(&format!(
             "| {}{} | {:.4} | {:.4} |\n",
