@@ -187,7 +187,10 @@ pub struct PassageIndex {
 impl PassageIndex {
     /// Builds the index. `owner` gives each window's row, ascending
     /// (windows grouped by row); `lexical`, when given, indexes the rows in
-    /// the same order.
+    /// the same order. When there are windows, every row needs at least one:
+    /// dense candidates come from the window index only, so a row with no
+    /// windows of its own (a click, a memory, a session written before
+    /// passages existed) is given its own vector as its one window.
     ///
     /// # Errors
     /// [`Error::Invalid`] when the parts disagree.
@@ -232,6 +235,13 @@ impl PassageIndex {
         }
         for i in 1..starts.len() {
             starts[i] += starts[i - 1];
+        }
+        if !windows.is_empty()
+            && let Some(r) = starts.windows(2).position(|s| s[0] == s[1])
+        {
+            return Err(bad(format!(
+                "row {r} has no window (give it its own vector as one)"
+            )));
         }
         Ok(Self {
             rows,

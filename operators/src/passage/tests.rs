@@ -269,4 +269,11 @@ fn bad_parameters_and_mismatched_parts_are_refused() {
         PassageIndex::new(rows(), one(), vec![0], Some(lex)).is_err(),
         "lexical rows"
     );
+    let two_rows = || store(&[[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]);
+    let e = PassageIndex::new(two_rows(), one(), vec![0], None).unwrap_err();
+    assert!(e.to_string().contains("row 1 has no window"), "{e}");
+    assert!(
+        PassageIndex::new(two_rows(), store(&[]), vec![], None).is_ok(),
+        "no windows at all: rows are searched whole"
+    );
 }

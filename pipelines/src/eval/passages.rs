@@ -247,6 +247,11 @@ pub(super) async fn build(
             window_means.extend(m);
             wins.extend_from_slice(&wv.vectors[w_at * dim..(w_at + n) * dim]);
             owner.extend(std::iter::repeat_n(i as u32, n));
+            if n == 0 {
+                // As the service does: a row without windows is its own one.
+                wins.extend_from_slice(&item_vecs[i * dim..(i + 1) * dim]);
+                owner.push(i as u32);
+            }
             w_at += n;
         }
         let lexical = || Bm25Index::new(&docs, Bm25Params::default());

@@ -1125,8 +1125,17 @@ pub fn build_user(
     let mut window_flat = Vec::new();
     let mut owner = Vec::new();
     let mut entries = Vec::with_capacity(rows.len());
+    // Dense candidates come from the window index once there is one, so a
+    // row without windows (a click, a memory, a session from before passages
+    // were written) is its own one window; `Entry::windows` stays empty, so
+    // no passage is named for it.
+    let any_windows = rows.iter().any(|r| !r.windows.is_empty());
     for (i, r) in rows.into_iter().enumerate() {
         flat.extend_from_slice(&r.vector);
+        if any_windows && r.windows.is_empty() {
+            window_flat.extend_from_slice(&r.vector);
+            owner.push(i as u32);
+        }
         for w in &r.windows {
             window_flat.extend_from_slice(w);
             owner.push(i as u32);
@@ -1310,7 +1319,8 @@ mod tests {
             }]
         );
         assert!(c.entries[s2].windows.is_empty());
-        assert_eq!(c.index.windows(), 1);
+        // s1's window, and every other row (s2, the click) as its own one.
+        assert_eq!(c.index.windows(), c.entries.len());
         // A query along the window's vector finds s1 through it.
         let p = RfMemParams {
             mode: Mode::Familiarity,
@@ -1328,9 +1338,20 @@ mod tests {
         .unwrap();
         assert_eq!(
             (a.hits[0].row as usize, a.hits[0].passage),
-            (s1, Some(0)),
+            (s1, c.index.first_window(s1 as u32)),
             "{a:?}"
         );
+        // A row without windows of its own is still found densely.
+        let a = retrieve_until(
+            &c.index,
+            c.index.rows().vector(s2),
+            None,
+            &p,
+            &HybridParams::default(),
+            &|| false,
+        )
+        .unwrap();
+        assert_eq!(a.hits[0].row as usize, s2, "{a:?}");
         // And the lexical side reads the contents.
         let a = retrieve_until(
             &c.index,
