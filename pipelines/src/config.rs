@@ -92,6 +92,8 @@ pub struct ServeConfig {
     pub group_sessions: bool,
     /// Users with at least this many rows are searched through an IVF index.
     pub ivf_min_rows: usize,
+    /// Users with at least this many passage windows search them through an IVF index.
+    pub ivf_min_windows: usize,
     /// IVF lists scanned per query.
     pub ivf_probes: usize,
     /// Threads per exact search.

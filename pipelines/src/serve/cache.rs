@@ -941,6 +941,35 @@ struct Turn {
     source: Option<(i32, i64)>,
 }
 
+/// A store over `flat` as the service searches it: exact below `min_rows`
+/// vectors, an IVF (`serve.ivf_probes` probed) from there on.
+///
+/// # Errors
+/// Vectors of the wrong length.
+pub fn vector_store(cfg: &ServeConfig, flat: Vec<f32>, min_rows: usize) -> Result<VectorStore> {
+    let n = flat.len() / EMBEDDING_DIM;
+    let corpus = Corpus::from_vec(flat, EMBEDDING_DIM).map_err(internal)?;
+    Ok(if n >= min_rows {
+        VectorStore::ivf(
+            corpus,
+            &IvfParams {
+                probes: cfg.ivf_probes,
+                ..IvfParams::default()
+            },
+            CpuKernel::default(),
+        )
+        .map_err(internal)?
+    } else {
+        VectorStore::flat(
+            corpus,
+            CpuKernel {
+                threads: cfg.search_threads,
+                ..CpuKernel::default()
+            },
+        )
+    })
+}
+
 /// One user's [`UserData`] from their `interactions` rows (columns
 /// [`INTERACTION_COLUMNS`]), `passages` rows ([`PASSAGE_COLUMNS`]) and
 /// memories.
@@ -1143,37 +1172,19 @@ pub fn build_user(
         entries.push(r.entry);
     }
     let vector_bytes = flat.len() * 4;
-    let store = |flat: Vec<f32>| -> Result<VectorStore> {
-        let n = flat.len() / EMBEDDING_DIM;
-        let corpus = Corpus::from_vec(flat, EMBEDDING_DIM).map_err(internal)?;
-        Ok(if n >= cfg.ivf_min_rows {
-            VectorStore::ivf(
-                corpus,
-                &IvfParams {
-                    probes: cfg.ivf_probes,
-                    ..IvfParams::default()
-                },
-                CpuKernel::default(),
-            )
-            .map_err(internal)?
-        } else {
-            VectorStore::flat(
-                corpus,
-                CpuKernel {
-                    threads: cfg.search_threads,
-                    ..CpuKernel::default()
-                },
-            )
-        })
-    };
     let lexical = (cfg.hybrid.lexical_weight > 0.0).then(|| {
         Bm25Index::new(
             entries.iter().map(|e| e.content.as_str()),
             Bm25Params::default(),
         )
     });
-    let index =
-        PassageIndex::new(store(flat)?, store(window_flat)?, owner, lexical).map_err(internal)?;
+    let index = PassageIndex::new(
+        vector_store(cfg, flat, cfg.ivf_min_rows)?,
+        vector_store(cfg, window_flat, cfg.ivf_min_windows)?,
+        owner,
+        lexical,
+    )
+    .map_err(internal)?;
     let bytes = size_of::<UserData>()
         + user_id.len() * 2
         + vector_bytes
