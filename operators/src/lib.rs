@@ -7,6 +7,8 @@
 //!   operators over in-memory state.
 //! - [`rfmem`]: the RF-Mem read path (familiarity probe, gate, top-k or
 //!   recollection) over one user's vectors.
+//! - [`passage`]: long rows as windows of turns, and hybrid retrieval
+//!   (RF-Mem over the windows, pooled to rows, fused with [`lexical`] BM25).
 //!
 //! It holds the micro-batching policy shared by every stage
 //! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
@@ -20,6 +22,8 @@
 pub mod batch;
 pub mod embed;
 mod http;
+pub mod lexical;
 pub mod llm;
+pub mod passage;
 pub mod rfmem;
 pub mod steam;

@@ -70,6 +70,9 @@ pub enum CorpusKind {
     Memory,
     /// Dialogue turns, or whole sessions with `group_sessions`.
     Dialogue,
+    /// Dialogue sessions searched through their passage windows (the
+    /// `passages` table) and their whole vector.
+    Passage,
     /// Clicks and purchases, as their item's embedding.
     Interaction,
 }
@@ -89,6 +92,8 @@ pub struct ServeConfig {
     pub group_sessions: bool,
     /// Users with at least this many rows are searched through an IVF index.
     pub ivf_min_rows: usize,
+    /// Users with at least this many passage windows search them through an IVF index.
+    pub ivf_min_windows: usize,
     /// IVF lists scanned per query.
     pub ivf_probes: usize,
     /// Threads per exact search.
@@ -132,6 +137,8 @@ pub struct ServeConfig {
     /// RF-Mem parameters (each overridable per request in `options`, up to
     /// the configured values of the cost keys).
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
+    /// How window, whole-row and lexical scores combine (`[serve.hybrid]`).
+    pub hybrid: steamrf_operators::passage::HybridParams,
 }
 
 /// `[steam]`
@@ -332,6 +339,8 @@ pub struct EmbedConfig {
     pub queue: usize,
     /// How an item becomes text.
     pub item_template: String,
+    /// Turns per passage window (0: no passages).
+    pub passage_turns: usize,
     /// The remote engine.
     pub remote: RemoteEmbedConfig,
 }
@@ -862,6 +871,12 @@ impl Config {
                 "embed.max_tokens: must be between 3 and 512 (BERT's position table)".to_owned(),
             );
         }
+        if e.passage_turns > 16 {
+            p.push(format!(
+                "embed.passage_turns: must be between 0 (off) and 16, got {}",
+                e.passage_turns
+            ));
+        }
         for (name, v) in [
             ("embed.batch_size", e.batch_size),
             ("embed.queue", e.queue),
@@ -934,7 +949,8 @@ impl Config {
         }
         if v.kinds.is_empty() {
             p.push(
-                "serve.kinds: must name at least one of memory, dialogue, interaction".to_owned(),
+                "serve.kinds: must name at least one of memory, dialogue, passage, interaction"
+                    .to_owned(),
             );
         }
         if v.search_threads == 0 || v.ivf_probes == 0 {
@@ -1023,6 +1039,9 @@ impl Config {
                 "serve.rfmem.{}",
                 e.to_string().trim_start_matches("options.")
             ));
+        }
+        if let Err(e) = v.hybrid.validate() {
+            p.push(format!("serve.{e}"));
         }
         p
     }

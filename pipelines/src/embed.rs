@@ -126,6 +126,11 @@ pub fn item_text(template: &str, title: &str, categories: &[&str], description: 
 pub struct EmbedStage {
     embedder: Option<Arc<dyn Embedder>>,
     item_template: String,
+    passage_turns: usize,
+    /// The last turns of recently seen sessions: the embed stage runs ahead
+    /// of the writer, so a turn from the previous batch may not be in the
+    /// table yet when the next batch's windows need it.
+    recent: std::sync::Mutex<Recent>,
     metrics: Metrics,
     retries_seen: std::sync::atomic::AtomicU64,
 }
@@ -148,9 +153,19 @@ impl EmbedStage {
         Self {
             embedder,
             item_template,
+            passage_turns: 0,
+            recent: Default::default(),
             metrics,
             retries_seen: Default::default(),
         }
+    }
+
+    /// Also embeds a passage window of `turns` turns ending at each new
+    /// dialogue turn (0: none); see [`Self::apply`].
+    #[must_use]
+    pub fn with_passage_turns(mut self, turns: usize) -> Self {
+        self.passage_turns = turns;
+        self
     }
 
     /// Embeds `texts`: the vectors of the accepted ones, in order, and the
@@ -244,7 +259,9 @@ impl EmbedStage {
             .map_or(0, RecordBatch::num_rows)
             + tables.items.as_ref().map_or(0, RecordBatch::num_rows);
         if let Some(batch) = tables.interactions.take() {
-            tables.interactions = Some(self.dialogue(sink, batch, &mut rejected).await?);
+            let batch = self.dialogue(sink, batch, &mut rejected).await?;
+            tables.passages = self.passages(sink, &batch).await?;
+            tables.interactions = Some(batch);
         }
         if let Some(batch) = tables.items.take() {
             tables.items = self.items(sink, batch, &mut rejected).await?;
@@ -294,6 +311,194 @@ impl EmbedStage {
         let (accepted, refused) = out.by_row(&rows);
         let batch = with_embeddings(&batch, &accepted, &out.vectors)?;
         take_out(TableName::Interactions, batch, "text", refused, rejected)
+    }
+
+    /// The `passages` rows of the batch's dialogue turns that have none
+    /// stored: for each, the window of `passage_turns` turns of its session
+    /// ending at it (by `(timestamp, event_id)`; the earlier turns from the
+    /// batch or, when it lacks them, from `interactions`), rendered under a
+    /// header naming who and the day, and embedded. A window the endpoint
+    /// refuses is left out (its turn is stored; only the passage is
+    /// missing, counted in `steamrf_embed_rejected_total{kind="passage"}`).
+    async fn passages(&self, sink: &LanceSink, batch: &RecordBatch) -> Result<Option<RecordBatch>> {
+        use std::collections::{BTreeMap, HashMap, HashSet};
+        use steamrf_operators::passage::{header, render, utc_day};
+
+        let n = self.passage_turns;
+        if n == 0 || batch.num_rows() == 0 {
+            return Ok(None);
+        }
+        let col = |c: &str| column(batch, c);
+        let kind = col("kind")?.as_string::<i32>();
+        let text = col("text")?.as_string::<i32>();
+        let ids = col("event_id")?.as_string::<i32>();
+        let users = col("user_id")?.as_string::<i32>();
+        let sessions = col("session_id")?.as_string::<i32>();
+        let roles = col("role")?.as_string::<i32>();
+        let ts = col("timestamp")?.as_primitive::<TimestampMillisecondType>();
+        let mut seen = HashSet::new();
+        let turns: Vec<usize> = (0..batch.num_rows())
+            .filter(|&r| {
+                kind.value(r) == "dialogue_turn"
+                    && text.is_valid(r)
+                    && sessions.is_valid(r)
+                    && seen.insert(ids.value(r))
+            })
+            .collect();
+        if turns.is_empty() {
+            return Ok(None);
+        }
+        let keys: Vec<&str> = turns.iter().map(|&r| ids.value(r)).collect();
+        let stored = sink.stored_versions(TableName::Passages, &keys).await?;
+        let new: Vec<usize> = turns
+            .iter()
+            .copied()
+            .filter(|&r| !stored.contains_key(ids.value(r)))
+            .collect();
+        self.metrics
+            .embed_skipped
+            .with_label_values(&["passage"])
+            .inc_by((turns.len() - new.len()) as u64);
+        if new.is_empty() {
+            return Ok(None);
+        }
+        // Every known turn of the sessions concerned: (timestamp, event id) → line.
+        type Session = BTreeMap<(i64, String), String>;
+        let line = |r: usize| {
+            let role = if roles.is_valid(r) {
+                roles.value(r)
+            } else {
+                "user"
+            };
+            format!("{role}: {}", text.value(r))
+        };
+        let mut known: HashMap<(&str, &str), Session> = HashMap::new();
+        for &r in &new {
+            known
+                .entry((users.value(r), sessions.value(r)))
+                .or_default();
+        }
+        for &r in &turns {
+            if let Some(s) = known.get_mut(&(users.value(r), sessions.value(r))) {
+                s.insert((ts.value(r), ids.value(r).to_owned()), line(r));
+            }
+        }
+        // Turns of earlier batches the writer may not have written yet.
+        {
+            let recent = self
+                .recent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for ((u, s), turns) in known.iter_mut() {
+                let key = ((*u).to_owned(), (*s).to_owned());
+                for generation in [&recent.previous, &recent.current] {
+                    if let Some(t) = generation.get(&key) {
+                        for (k, l) in t {
+                            turns.entry(k.clone()).or_insert_with(|| l.clone());
+                        }
+                    }
+                }
+            }
+        }
+        // Sessions where a new turn has fewer earlier turns known than its
+        // window wants: read their stored turns.
+        let short: Vec<(&str, &str)> = new
+            .iter()
+            .filter(|&&r| {
+                let s = &known[&(users.value(r), sessions.value(r))];
+                s.range(..(ts.value(r), ids.value(r).to_owned())).count() + 1 < n
+            })
+            .map(|&r| (users.value(r), sessions.value(r)))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let stored_turns = if short.is_empty() {
+            Vec::new()
+        } else {
+            sink.session_turns(&short).await?
+        };
+        for (u, s, t, e, l) in &stored_turns {
+            if let Some(k) = known.get_mut(&(u.as_str(), s.as_str())) {
+                k.entry((*t, e.clone())).or_insert_with(|| l.clone());
+            }
+        }
+        // Remember each session's last turns for the next batches.
+        {
+            let mut recent = self
+                .recent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for ((u, s), turns) in &known {
+                let last: BTreeMap<(i64, String), String> = turns
+                    .iter()
+                    .rev()
+                    .take(n)
+                    .map(|(k, l)| (k.clone(), l.clone()))
+                    .collect();
+                recent
+                    .current
+                    .insert(((*u).to_owned(), (*s).to_owned()), last);
+            }
+            if recent.current.len() >= RECENT_SESSIONS {
+                recent.previous = std::mem::take(&mut recent.current);
+            }
+        }
+        let mut texts = Vec::with_capacity(new.len());
+        let mut firsts = Vec::with_capacity(new.len());
+        let mut counts = Vec::with_capacity(new.len());
+        for &r in &new {
+            let s = &known[&(users.value(r), sessions.value(r))];
+            let end = (ts.value(r), ids.value(r).to_owned());
+            let mut window: Vec<(&(i64, String), &String)> =
+                s.range(..=end.clone()).rev().take(n).collect();
+            window.reverse();
+            let first = window.first().map_or(&end, |w| w.0);
+            let lines: Vec<&str> = window.iter().map(|w| w.1.as_str()).collect();
+            let who = if window.iter().any(|w| w.1.starts_with("assistant: ")) {
+                "the assistant"
+            } else {
+                ""
+            };
+            texts.push(render(
+                &header("Conversation", who, &utc_day(first.0)),
+                &lines,
+            ));
+            firsts.push(first.1.clone());
+            counts.push(window.len() as i32);
+        }
+        let out = self.run("passage", texts.clone()).await?;
+        let (accepted, _refused) = out.by_row(&(0..new.len()).collect::<Vec<_>>());
+        if accepted.is_empty() {
+            return Ok(None);
+        }
+        let rows: Vec<u32> = accepted.iter().map(|&i| new[i] as u32).collect();
+        let picked = arrow_select::take::take_record_batch(batch, &UInt32Array::from(rows))?;
+        let pick = |c: &str| -> Result<arrow_array::ArrayRef> { Ok(column(&picked, c)?.clone()) };
+        let schema = TableName::Passages.schema();
+        let first_ids: arrow_array::StringArray =
+            accepted.iter().map(|&i| Some(firsts[i].as_str())).collect();
+        let turn_counts: arrow_array::Int32Array =
+            accepted.iter().map(|&i| Some(counts[i])).collect();
+        let window_texts: arrow_array::StringArray =
+            accepted.iter().map(|&i| Some(texts[i].as_str())).collect();
+        let embedding = steamrf_schemas::tables::embedding_array(&out.vectors, accepted.len())?;
+        let b = RecordBatch::try_new(
+            schema,
+            vec![
+                pick("event_id")?,
+                pick("user_id")?,
+                pick("session_id")?,
+                pick("timestamp")?,
+                Arc::new(first_ids),
+                Arc::new(turn_counts),
+                Arc::new(window_texts),
+                embedding,
+                pick("source_partition")?,
+                pick("source_offset")?,
+                pick("ingested_at")?,
+            ],
+        )?;
+        Ok(Some(b))
     }
 
     async fn items(
@@ -350,6 +555,23 @@ impl EmbedStage {
         Ok((batch.num_rows() > 0).then_some(batch))
     }
 }
+
+/// Sessions' last turns, `(user, session)` → `(timestamp, event id)` →
+/// `role: text`, in two generations: once the current one holds
+/// [`RECENT_SESSIONS`] sessions it becomes the previous one and the one
+/// before is dropped, so memory stays bounded and the last batches' turns
+/// are always kept.
+#[derive(Debug, Default)]
+struct Recent {
+    current: RecentTurns,
+    previous: RecentTurns,
+}
+
+type RecentTurns =
+    std::collections::HashMap<(String, String), std::collections::BTreeMap<(i64, String), String>>;
+
+/// Sessions per generation of [`Recent`].
+const RECENT_SESSIONS: usize = 50_000;
 
 /// What [`EmbedStage::run`] made of a list of texts.
 #[derive(Debug, Default)]

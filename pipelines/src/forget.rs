@@ -30,6 +30,8 @@ pub struct Receipt {
     pub interactions: u64,
     /// Rows deleted from `profiles`.
     pub profiles: u64,
+    /// Rows deleted from `passages`.
+    pub passages: u64,
     /// Rows deleted from `memories`.
     pub memories: u64,
     /// Rows deleted from `memory_links` (to or from the user's memories).
@@ -172,11 +174,13 @@ pub async fn forget(
     for name in [
         steamrf_schemas::TableName::Interactions,
         steamrf_schemas::TableName::Profiles,
+        steamrf_schemas::TableName::Passages,
     ] {
         let table = sink.table(name);
         let n = delete_counted(table, &filter).await?;
         match name {
             steamrf_schemas::TableName::Interactions => r.interactions = n,
+            steamrf_schemas::TableName::Passages => r.passages = n,
             _ => r.profiles = n,
         }
         touched.push(table);

@@ -133,6 +133,13 @@ enum EvalCmd {
         /// Noise level of the private data.
         #[arg(long, default_value = "0.0")]
         noise: String,
+        /// Turns per passage window (the default of embed.passage_turns).
+        #[arg(long, default_value_t = 3)]
+        window_turns: usize,
+        /// The noise level the hybrid parameters are chosen on (the same as
+        /// --noise: chosen on the test questions, flagged as such).
+        #[arg(long, default_value = "0.3")]
+        tune_noise: String,
         /// Configuration, for [embed] (defaults: all-MiniLM-L6-v2 in process).
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
@@ -164,6 +171,9 @@ enum BenchCmd {
         /// Build LanceDB's IVF_PQ index from this many rows.
         #[arg(long, default_value_t = 100_000)]
         lancedb_index_rows: usize,
+        /// Passage windows per row in the hybrid (served) measurement.
+        #[arg(long, default_value_t = 4)]
+        windows_per_row: usize,
     },
     /// A real `steamrf serve` at a fixed request rate for a long time, the tables changing underneath: errors, latency per window, RSS growth.
     Soak {
@@ -388,6 +398,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     ivf_min_rows,
                     no_lancedb,
                     lancedb_index_rows,
+                    windows_per_row,
                 },
         } => {
             let lines = bench::retrieve(bench::RetrieveBench {
@@ -398,6 +409,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 ivf_min_rows,
                 lancedb: !no_lancedb,
                 lancedb_index_rows,
+                windows_per_row,
             })
             .await
             .context("bench retrieve")?;
@@ -507,6 +519,8 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     data,
                     out,
                     noise,
+                    window_turns,
+                    tune_noise,
                     config,
                 },
         } => {
@@ -516,6 +530,10 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 embed: config.embed,
                 out,
                 noise,
+                window: steamrf_operators::passage::WindowParams {
+                    turns: window_turns,
+                },
+                tune_noise,
             })
             .await
             .context("eval rfmem")?;

@@ -488,7 +488,7 @@ impl Metrics {
         for k in ["prompt", "completion"] {
             m.llm_tokens.with_label_values(&[k]);
         }
-        for k in ["dialogue_turn", "item"] {
+        for k in ["dialogue_turn", "item", "passage"] {
             m.embed_texts.with_label_values(&[k]);
             m.embed_rejected.with_label_values(&[k]);
             m.embed_skipped.with_label_values(&[k]);
@@ -541,7 +541,7 @@ impl Metrics {
 
     /// Texts embedded over all kinds.
     pub fn total_texts_embedded(&self) -> u64 {
-        ["dialogue_turn", "item"]
+        ["dialogue_turn", "item", "passage"]
             .iter()
             .map(|k| self.embed_texts.with_label_values(&[k]).get())
             .sum()

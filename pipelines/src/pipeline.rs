@@ -143,11 +143,14 @@ async fn run_inner(
 ) -> Result<RunSummary> {
     let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
     let embedder = crate::embed::embedder(&config.embed)?;
-    let stage = Arc::new(EmbedStage::new(
-        embedder.clone(),
-        config.embed.item_template.clone(),
-        metrics.clone(),
-    ));
+    let stage = Arc::new(
+        EmbedStage::new(
+            embedder.clone(),
+            config.embed.item_template.clone(),
+            metrics.clone(),
+        )
+        .with_passage_turns(config.embed.passage_turns),
+    );
     let mut steam = if config.steam.enabled {
         let db = crate::sink::connect(&config.lancedb).await?;
         let llm = llm_client(&config)?;

@@ -2,7 +2,8 @@
 //! idempotently.
 //!
 //! - `interactions`: insert-if-absent on `event_id` (a replayed or duplicated
-//!   event adds nothing);
+//!   event adds nothing); `passages` likewise (one window per turn, keyed by
+//!   the turn's `event_id`);
 //! - `items`, `profiles`: upsert on the entity key, where a row replaces the
 //!   stored one only if it is newer by `(timestamp, event_id)`, so replays and
 //!   out-of-order delivery converge to the same table.
@@ -65,13 +66,13 @@ fn session(cfg: &LanceDbConfig) -> Arc<lance::session::Session> {
 /// [`Error::Lance`] on storage errors, [`Error::Config`] on a schema mismatch.
 pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
     let table = open_or_create_named(db, name.as_str(), name.schema()).await?;
-    // Only `interactions` (insert if absent) declares its key: Lance 14
+    // Only `interactions` and `passages` (insert if absent) declare their key: Lance 14
     // rejects the conditional upserts of `items` and `profiles` (newest
     // wins) on a table with a declared primary key ("Primary key column and
     // all its ancestors must not be nullable", raised for the merge's outer
     // join). Those two tables stay exposed to the race below: two instances
     // inserting the same new item or profile at once can store it twice.
-    if name == TableName::Interactions {
+    if matches!(name, TableName::Interactions | TableName::Passages) {
         ensure_primary_key(&table, name.key()).await?;
     }
     Ok(table)
@@ -231,7 +232,7 @@ pub(crate) async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> 
 /// user's rows at a time).
 pub(crate) fn indexed_columns(name: TableName) -> &'static [&'static str] {
     match name {
-        TableName::Interactions => &["event_id", "user_id"],
+        TableName::Interactions | TableName::Passages => &["event_id", "user_id"],
         TableName::Items => &["item_id"],
         TableName::Profiles => &["user_id"],
     }
@@ -348,7 +349,7 @@ impl LanceSink {
         let table = self.table(name);
         let mut merge = table.merge_insert(&[name.key()]);
         match name {
-            TableName::Interactions => {
+            TableName::Interactions | TableName::Passages => {
                 merge.when_not_matched_insert_all();
             }
             TableName::Items | TableName::Profiles => {
@@ -465,6 +466,81 @@ impl LanceSink {
         Ok(out)
     }
 
+    /// The stored dialogue turns of `sessions` (user, session):
+    /// `(user, session, timestamp, event_id, "role: text")`, unordered.
+    /// One query per 500 sessions, through the `user_id` index.
+    ///
+    /// The embed stage reads the turns that precede a new turn in its
+    /// session from here when they are not in the batch.
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if the query fails.
+    pub async fn session_turns(
+        &self,
+        sessions: &[(&str, &str)],
+    ) -> Result<Vec<(String, String, i64, String, String)>> {
+        use futures::TryStreamExt;
+        use lancedb::query::{ExecutableQuery, QueryBase, Select};
+
+        let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
+        let mut out = Vec::new();
+        for chunk in sessions.chunks(500) {
+            let users: std::collections::BTreeSet<&str> = chunk.iter().map(|s| s.0).collect();
+            let ids: std::collections::BTreeSet<&str> = chunk.iter().map(|s| s.1).collect();
+            let list = |xs: &std::collections::BTreeSet<&str>| {
+                xs.iter().map(|x| quote(x)).collect::<Vec<_>>().join(",")
+            };
+            let filter = format!(
+                "user_id IN ({}) AND session_id IN ({}) AND kind = 'dialogue_turn' AND text IS NOT NULL",
+                list(&users),
+                list(&ids)
+            );
+            let batches: Vec<RecordBatch> = self
+                .table(TableName::Interactions)
+                .query()
+                .only_if(filter)
+                .select(Select::columns(&[
+                    "user_id",
+                    "session_id",
+                    "timestamp",
+                    "event_id",
+                    "role",
+                    "text",
+                ]))
+                .execute()
+                .await
+                .map_err(Error::lance("looking up session turns"))?
+                .try_collect()
+                .await
+                .map_err(Error::lance("looking up session turns"))?;
+            let wanted: std::collections::HashSet<(&str, &str)> = chunk.iter().copied().collect();
+            for b in batches {
+                let str_col = |i: usize| b.column(i).as_string::<i32>();
+                let (user, session, event, role, text) =
+                    (str_col(0), str_col(1), str_col(3), str_col(4), str_col(5));
+                let ts = b.column(2).as_primitive::<TimestampMillisecondType>();
+                for r in 0..b.num_rows() {
+                    if !wanted.contains(&(user.value(r), session.value(r))) {
+                        continue;
+                    }
+                    let role = if arrow_array::Array::is_valid(role, r) {
+                        role.value(r)
+                    } else {
+                        "user"
+                    };
+                    out.push((
+                        user.value(r).to_owned(),
+                        session.value(r).to_owned(),
+                        ts.value(r),
+                        event.value(r).to_owned(),
+                        format!("{role}: {}", text.value(r)),
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Compacts every table and prunes old versions.
     ///
     /// # Errors
@@ -497,7 +573,7 @@ pub(crate) fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch>
     let keys = col(name.key())?.as_string::<i32>();
     let mut keep: HashMap<&str, u32> = HashMap::with_capacity(batch.num_rows());
     match name {
-        TableName::Interactions => {
+        TableName::Interactions | TableName::Passages => {
             for (i, k) in keys.iter().enumerate() {
                 keep.entry(k.unwrap_or_default()).or_insert(i as u32);
             }

@@ -443,7 +443,8 @@ pub struct SourceLoop {
     pub metrics: Metrics,
     /// Set to stop: the loop flushes what it holds and returns.
     pub stop: Arc<AtomicBool>,
-    /// Stop by itself after this long without records once partitions are assigned.
+    /// Stop by itself after this long without records once partitions are
+    /// assigned (time spent handing a batch to a busy writer does not count).
     pub exit_when_idle: Option<Duration>,
 }
 
@@ -536,6 +537,7 @@ impl SourceLoop {
                             },
                             tx,
                         )?;
+                        last_record = Instant::now();
                         continue;
                     }
                     let slot = pending
@@ -563,12 +565,16 @@ impl SourceLoop {
                     };
                     if let Some(reason) = self.tracker.record(size, now) {
                         self.flush(&mut pending, opened_at, reason, tx)?;
+                        // Time blocked on a busy writer is not idle time.
+                        last_record = Instant::now();
                     }
                 }
             }
-            let now = Instant::now();
+            let mut now = Instant::now();
             if self.tracker.linger_elapsed(now) {
                 self.flush(&mut pending, opened_at, FlushReason::Linger, tx)?;
+                now = Instant::now();
+                last_record = now;
             }
             if let Some(idle) = self.exit_when_idle {
                 if !idle_clock_running && self.metrics.assigned_partitions.get() > 0 {

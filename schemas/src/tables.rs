@@ -30,11 +30,19 @@ pub enum TableName {
     Items,
     /// User profiles.
     Profiles,
+    /// Passages: each dialogue turn with the turns before it in its session,
+    /// embedded as one window (docs/retrieval.md).
+    Passages,
 }
 
 impl TableName {
     /// All tables, in a fixed order.
-    pub const ALL: [Self; 3] = [Self::Interactions, Self::Items, Self::Profiles];
+    pub const ALL: [Self; 4] = [
+        Self::Interactions,
+        Self::Items,
+        Self::Profiles,
+        Self::Passages,
+    ];
 
     /// The table's name in LanceDB (and the `table` metric label).
     pub fn as_str(self) -> &'static str {
@@ -42,6 +50,7 @@ impl TableName {
             Self::Interactions => "interactions",
             Self::Items => "items",
             Self::Profiles => "profiles",
+            Self::Passages => "passages",
         }
     }
 
@@ -51,6 +60,7 @@ impl TableName {
             Self::Interactions => "event_id",
             Self::Items => "item_id",
             Self::Profiles => "user_id",
+            Self::Passages => "event_id",
         }
     }
 
@@ -60,6 +70,7 @@ impl TableName {
             Self::Interactions => INTERACTIONS.clone(),
             Self::Items => ITEMS.clone(),
             Self::Profiles => PROFILES.clone(),
+            Self::Passages => PASSAGES.clone(),
         }
     }
 }
@@ -141,6 +152,25 @@ static PROFILES: LazyLock<SchemaRef> = LazyLock::new(|| {
         utf8("event_id", false),
         Field::new("timestamp", ts(), false),
         utf8("attributes", true),
+    ];
+    fields.extend(provenance_fields());
+    Arc::new(Schema::new(fields))
+});
+
+static PASSAGES: LazyLock<SchemaRef> = LazyLock::new(|| {
+    let mut fields = vec![
+        // The turn the window ends at (one window per turn).
+        utf8("event_id", false),
+        utf8("user_id", false),
+        utf8("session_id", false),
+        // The ending turn's time.
+        Field::new("timestamp", ts(), false),
+        // The window's first turn, and how many turns it holds.
+        utf8("first_event_id", false),
+        Field::new("turns", DataType::Int32, false),
+        // The header and the turns, as embedded.
+        utf8("text", false),
+        embedding_field(),
     ];
     fields.extend(provenance_fields());
     Arc::new(Schema::new(fields))
@@ -405,6 +435,8 @@ pub struct TableBatches {
     pub items: Option<RecordBatch>,
     /// Rows for `profiles`.
     pub profiles: Option<RecordBatch>,
+    /// Rows for `passages` (made by the embed stage, never by the builders).
+    pub passages: Option<RecordBatch>,
 }
 
 impl TableBatches {
@@ -414,6 +446,7 @@ impl TableBatches {
             (TableName::Interactions, self.interactions.as_ref()),
             (TableName::Items, self.items.as_ref()),
             (TableName::Profiles, self.profiles.as_ref()),
+            (TableName::Passages, self.passages.as_ref()),
         ]
         .into_iter()
         .filter_map(|(t, b)| b.map(|b| (t, b)))
@@ -465,6 +498,7 @@ impl TableBuilders {
             interactions,
             items,
             profiles,
+            passages: None,
         })
     }
 }
@@ -533,6 +567,29 @@ pub fn with_embeddings(
     let mut cols = batch.columns().to_vec();
     cols[idx] = Arc::new(array);
     RecordBatch::try_new(schema, cols)
+}
+
+/// An embedding column of `n` rows, all valid, from `vectors` (row-major,
+/// [`EMBEDDING_DIM`] each).
+///
+/// # Errors
+/// When `vectors` does not hold `n` rows.
+pub fn embedding_array(vectors: &[f32], n: usize) -> Result<ArrayRef, ArrowError> {
+    if vectors.len() != n * EMBEDDING_DIM {
+        return Err(ArrowError::InvalidArgumentError(format!(
+            "{n} vectors of {EMBEDDING_DIM} values expected, got {} values",
+            vectors.len()
+        )));
+    }
+    let DataType::FixedSizeList(item, _) = embedding_field().data_type().clone() else {
+        unreachable!("the embedding field is a FixedSizeList")
+    };
+    Ok(Arc::new(FixedSizeListArray::try_new(
+        item,
+        EMBEDDING_DIM as i32,
+        Arc::new(Float32Array::from(vectors.to_vec())),
+        None,
+    )?))
 }
 
 /// A stable one-line-per-field rendering of a schema, for golden snapshots.

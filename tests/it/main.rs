@@ -769,14 +769,18 @@ fn kafka_events_to_a_retrieval_answer() {
     let items = answer["items"].as_array().unwrap();
     let kinds: Vec<&str> = items.iter().map(|i| i["kind"].as_str().unwrap()).collect();
     assert!(
-        kinds.contains(&"dialogue") && kinds.contains(&"memory"),
+        kinds.contains(&"session") && kinds.contains(&"memory"),
         "{answer}"
     );
+    // The session holding the user's own turn, found through a passage window.
     let turn = items
         .iter()
-        .find(|i| i["content"].as_str().unwrap().contains("Any more bebop"))
+        .find(|i| {
+            i["kind"] == "session" && i["content"].as_str().unwrap().contains("Any more bebop")
+        })
         .unwrap_or_else(|| panic!("the user's own turn is not retrieved: {answer}"));
     assert_eq!(turn["provenance"]["table"], "interactions");
+    assert!(turn["passage"]["end"].as_u64().unwrap() >= 1, "{answer}");
     assert!(
         turn["provenance"]["source_event_ids"][0]
             .as_str()
@@ -851,6 +855,129 @@ fn kafka_events_to_a_retrieval_answer() {
         written.elapsed()
     );
     assert!(pipeline.sigterm().success());
+}
+
+/// Long dialogue sessions through Kafka → `steamrf run` → `steamrf serve`:
+/// each turn gets a passage window (the two turns before it and itself) at
+/// ingest, once; a question about something said late in a long session
+/// finds that session through the window, and the answer names it; the
+/// text query's rare words reach the session through BM25 too.
+#[test]
+fn long_sessions_are_found_through_their_passage_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-passages");
+    let file = dir.path().join("events.jsonl");
+    let filler = [
+        ("user", "I want to reorganise the garage this weekend."),
+        (
+            "assistant",
+            "Start by sorting everything into keep, donate and bin.",
+        ),
+        ("user", "There are a lot of old paint cans in there."),
+        (
+            "assistant",
+            "Paint cans go to the municipal recycling centre.",
+        ),
+        ("user", "The shelves are also falling apart."),
+        (
+            "assistant",
+            "Wall-mounted steel shelving lasts longer than wood.",
+        ),
+        ("user", "What about the bicycles?"),
+        ("assistant", "Ceiling hooks keep bicycles off the floor."),
+        ("user", "Good idea, the floor is always cluttered."),
+        ("assistant", "A pegboard for tools helps with that too."),
+    ];
+    let mut lines = Vec::new();
+    let mut ts = 1_764_000_000_000i64;
+    let mut turn = |session: &str, role: &str, text: &str, lines: &mut Vec<String>| {
+        ts += 60_000;
+        lines.push(format!(
+            "{{\"schema_version\":1,\"event_id\":\"{topic}-{}\",\"timestamp\":{ts},\"type\":\"dialogue_turn\",\"user_id\":\"pat\",\"session_id\":\"{session}\",\"role\":\"{role}\",\"text\":\"{text}\"}}",
+            lines.len()
+        ));
+    };
+    for (role, text) in filler {
+        turn("garage", role, text, &mut lines);
+    }
+    // The fact sits at the end of a long session about something else.
+    for (role, text) in filler.iter().rev() {
+        turn("errands", role, text, &mut lines);
+    }
+    turn(
+        "errands",
+        "user",
+        "Also, my sister Marta is getting married in Lisbon on the 14th of June.",
+        &mut lines,
+    );
+    turn(
+        "errands",
+        "assistant",
+        "Congratulations to Marta! I will remind you to book flights to Lisbon.",
+        &mut lines,
+    );
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    produce_all(&topic, 1, &file);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 7,
+        linger_ms: 100,
+    };
+    // Small batches: most windows need a turn from an earlier batch, read
+    // back from the table.
+    cfg.run_to_idle("");
+    let uri = cfg.lancedb_uri();
+    let count = |sql: &str| sql_count(&uri, sql);
+    assert_eq!(count("SELECT count(*) AS n FROM passages"), 22);
+    assert_eq!(
+        count("SELECT count(*) AS n FROM passages WHERE turns = 3"),
+        18,
+        "every turn but each session's first two ends a three-turn window"
+    );
+    assert_eq!(
+        count(&format!(
+            "SELECT count(*) AS n FROM passages WHERE event_id = '{topic}-21' AND first_event_id = '{topic}-19' AND text LIKE 'Conversation with the assistant on 2025-11-24:%Marta%Lisbon%'"
+        )),
+        1
+    );
+    // A replay under another consumer group adds nothing.
+    PipelineConfig {
+        group: &format!("{topic}-replay"),
+        ..cfg
+    }
+    .run_to_idle("");
+    assert_eq!(count("SELECT count(*) AS n FROM passages"), 22);
+
+    let config = cfg.write_with("[serve]\nrefresh_interval = \"200ms\"\n");
+    let service = Service::start(&config);
+    let (status, body) = service.post(
+        "/v1/retrieve",
+        None,
+        r#"{"user_id":"pat","query":"When is my sister's wedding?","k":1}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let top = &v["items"][0];
+    assert_eq!(top["kind"], "session", "{v}");
+    assert_eq!(top["id"], "errands", "{v}");
+    let passage = &top["passage"];
+    assert!(
+        passage["end"].as_u64().unwrap() >= 11,
+        "the matching window is at the session's end: {v}"
+    );
+    assert!(top["dense"].as_f64().unwrap() > 0.0, "{v}");
+    // The rare name reaches the session lexically as well.
+    let (_, body) = service.post(
+        "/v1/retrieve",
+        None,
+        r#"{"user_id":"pat","query":"Marta Lisbon","k":2}"#,
+    );
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["items"][0]["id"], "errands", "{v}");
+    assert!(v["items"][0]["lexical"].as_f64().unwrap() > 0.3, "{v}");
 }
 
 /// A tokens file in `dir`: `writer-token-0123456789` for tenant `default`,

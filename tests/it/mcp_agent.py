@@ -122,7 +122,8 @@ async def main():
             r = await session.call_tool("retrieve", query)
             check(not r.is_error, r.content)
             hits = payload(r)["items"]
-            if any(text in h["content"] for h in hits):
+            # The turn's own row: its session (memories quote it too).
+            if any(text in h["content"] and h["kind"] in ("session", "dialogue") for h in hits):
                 break
             check(time.monotonic() - sent < 10, f"the turn was not retrievable within 10 s: {hits}")
             await asyncio.sleep(0.05)
@@ -130,7 +131,8 @@ async def main():
         out = payload(r)
         show("tools/call retrieve " + json.dumps(query), out)
         print(f"remember -> retrievable in {answered:.2f} s", file=sys.stderr)
-        hit = next(h for h in out["items"] if text in h["content"])
+        hit = next(h for h in out["items"]
+                   if text in h["content"] and h["kind"] in ("session", "dialogue"))
         check(hit["provenance"]["source_event_ids"] == [event_id], hit["provenance"])
         check(hit["provenance"]["table"] == "interactions", hit["provenance"])
         check(out["explanation"]["path"] == "familiarity", out["explanation"])

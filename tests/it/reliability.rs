@@ -113,6 +113,10 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
         log.contains(r#""interactions":6"#),
         "3 clicks, 3 turns: {log}"
     );
+    assert!(
+        log.contains(r#""passages":3"#),
+        "one window per turn: {log}"
+    );
     assert_eq!(
         sql_text(
             &uri,
@@ -180,20 +184,25 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
         [
             "interactions",
             "profiles",
+            "passages",
             "memories",
             "memory_links",
             "prototypes"
         ]
     );
+    // user0 never spoke, so the passages table (purged by the first forget)
+    // has no version to prune; every other table lost rows and old versions.
+    assert_eq!(receipt["passages"], 0, "{receipt}");
     assert!(
         receipt["tables"]
             .as_array()
             .unwrap()
             .iter()
+            .filter(|t| t["table"] != "passages")
             .all(|t| t["versions_pruned"].as_u64().unwrap() > 0),
         "{receipt}"
     );
-    for table in ["interactions", "profiles", "memories"] {
+    for table in ["interactions", "profiles", "passages", "memories"] {
         assert_eq!(
             sql_count(
                 &uri,

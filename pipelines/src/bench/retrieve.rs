@@ -33,6 +33,7 @@ use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
 use super::{Synth, internal, percentile, rss_bytes};
 use crate::error::{Error, Result};
+use crate::serve::cache::vector_store;
 
 /// Options of `steamrf bench retrieve`.
 #[derive(Debug, Clone)]
@@ -51,6 +52,8 @@ pub struct RetrieveBench {
     pub lancedb: bool,
     /// Build an IVF_PQ index in LanceDB from this many rows.
     pub lancedb_index_rows: usize,
+    /// Passage windows per row in the hybrid measurement.
+    pub windows_per_row: usize,
 }
 
 struct Stats {
@@ -207,6 +210,15 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     out.push(format!(
         "  ivf recall@{k} vs exact: {recall:.3} on familiar queries, {recall_unfamiliar:.3} on unfamiliar ones"
     ));
+    let h = hybrid(&rows, dim, topics, &queries, b.windows_per_row)?;
+    out.push(format!(
+        "  passages hybrid rf-mem p50 {:>8.3} ms  p99 {:>8.3} ms  on {} windows ({})",
+        h.p50, h.p99, h.store, h.note
+    ));
+    out.push(format!(
+        "  passages hybrid exact  p50 {:>8.3} ms  p99 {:>8.3} ms  (served rows in the exact answer: {:.3} on familiar queries, {:.3} on unfamiliar ones)",
+        h.exact_p50, h.exact_p99, h.recall, h.recall_unfamiliar
+    ));
     let mut lance_p50 = f64::NAN;
     if b.lancedb {
         let (p50, p99, note) = lancedb_topk(&rows, dim, &queries, k, b.lancedb_index_rows).await?;
@@ -231,9 +243,161 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     let (r50, r99) = get("recollection");
     let (a50, a99) = get("rf-mem");
     out.push(format!(
-        "RESULT memories={n} store={served} p50_ms={f50:.4} p99_ms={f99:.4} recollection_p50_ms={r50:.4} recollection_p99_ms={r99:.4} rfmem_p50_ms={a50:.4} rfmem_p99_ms={a99:.4} ivf_recall_at_{k}={recall:.3} lancedb_topk_p50_ms={lance_p50:.4}"
+        "RESULT memories={n} store={served} p50_ms={f50:.4} p99_ms={f99:.4} recollection_p50_ms={r50:.4} recollection_p99_ms={r99:.4} rfmem_p50_ms={a50:.4} rfmem_p99_ms={a99:.4} hybrid_p50_ms={:.4} hybrid_p99_ms={:.4} hybrid_store={} hybrid_recall_vs_exact={:.3} ivf_recall_at_{k}={recall:.3} lancedb_topk_p50_ms={lance_p50:.4}",
+        h.p50, h.p99, h.store, h.recall
     ));
     Ok(out)
+}
+
+/// The served path over the same rows as sessions: `windows` passage
+/// windows per row (near the row's vector), BM25 over a synthetic text per
+/// row (60 words from a Zipf-like vocabulary of 5,000; queries of 6 words,
+/// half of them from a row's text), and the service's default
+/// `[serve.rfmem]` and `[serve.hybrid]`: (p50 ms, p99 ms, what ran).
+fn hybrid(
+    rows: &[f32],
+    dim: usize,
+    topics: usize,
+    queries: &[Vec<f32>],
+    windows: usize,
+) -> Result<Hybrid> {
+    use rand::{Rng, SeedableRng};
+    use steamrf_operators::lexical::{Bm25Index, Bm25Params};
+    use steamrf_operators::passage::{self, PassageIndex};
+
+    let n = rows.len() / dim;
+    let cfg = crate::config::Config::load(None)?.serve;
+    let mut synth = Synth::new(topics, dim);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let word = |rng: &mut rand::rngs::StdRng| {
+        // Zipf-like: the rank's inverse is uniform.
+        let r = (5000f64.powf(rng.random_range(0.0..1.0)) as usize).min(4999);
+        format!("w{r}")
+    };
+    let texts: Vec<String> = (0..n)
+        .map(|_| {
+            (0..60)
+                .map(|_| word(&mut rng))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let mut flat = Vec::with_capacity(n * windows * dim);
+    let mut owner = Vec::with_capacity(n * windows);
+    for i in 0..n {
+        for _ in 0..windows {
+            flat.extend(synth.memory(i % topics));
+            owner.push(i as u32);
+        }
+    }
+    let lexical = || Some(Bm25Index::new(&texts, Bm25Params::default()));
+    // As served: exact or IVF by `serve.ivf_min_rows` / `serve.ivf_min_windows`.
+    let t = Instant::now();
+    let index = PassageIndex::new(
+        vector_store(&cfg, rows.to_vec(), cfg.ivf_min_rows)?,
+        vector_store(&cfg, flat.clone(), cfg.ivf_min_windows)?,
+        owner.clone(),
+        lexical(),
+    )
+    .map_err(internal)?;
+    let built = t.elapsed();
+    let approximate = index.rows().is_approximate() || n * windows >= cfg.ivf_min_windows;
+    // The exact reference: both stores scanned flat.
+    let exact = PassageIndex::new(
+        vector_store(&cfg, rows.to_vec(), usize::MAX)?,
+        vector_store(&cfg, flat, usize::MAX)?,
+        owner,
+        lexical(),
+    )
+    .map_err(internal)?;
+    let qtext: Vec<String> = (0..queries.len())
+        .map(|i| {
+            if i % 2 == 0 {
+                let words: Vec<&str> = texts[(i * 7919) % n].split(' ').collect();
+                (0..6)
+                    .map(|j| words[(j * 11 + i) % words.len()])
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            } else {
+                (0..6).map(|_| word(&mut rng)).collect::<Vec<_>>().join(" ")
+            }
+        })
+        .collect();
+    let run = |index: &PassageIndex, i: usize| {
+        passage::retrieve_until(
+            index,
+            &queries[i],
+            Some(&qtext[i]),
+            &cfg.rfmem,
+            &cfg.hybrid,
+            &|| false,
+        )
+        .map_err(internal)
+    };
+    let time = |index: &PassageIndex| -> Result<(f64, f64, usize, Vec<Vec<u32>>)> {
+        for i in 0..queries.len().min(5) {
+            run(index, i)?;
+        }
+        let mut ms = Vec::with_capacity(queries.len());
+        let mut recollected = 0;
+        let mut found = Vec::with_capacity(queries.len());
+        for i in 0..queries.len() {
+            let t = Instant::now();
+            let a = run(index, i)?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+            recollected += usize::from(a.path == rfmem::Path::Recollection);
+            found.push(a.hits.iter().map(|h| h.row).collect());
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok((
+            percentile(&ms, 0.5),
+            percentile(&ms, 0.99),
+            recollected,
+            found,
+        ))
+    };
+    let (p50, p99, recollected, served_rows) = time(&index)?;
+    let (e50, e99, _, exact_rows) = time(&exact)?;
+    // Rows the served answer shares with the exact one, on familiar (even)
+    // and unfamiliar (odd) queries.
+    let (mut shared, mut total) = ([0usize; 2], [0usize; 2]);
+    for (i, (s, e)) in served_rows.iter().zip(&exact_rows).enumerate() {
+        shared[i % 2] += s.iter().filter(|r| e.contains(r)).count();
+        total[i % 2] += e.len();
+    }
+    let recall = |i: usize| shared[i] as f64 / total[i].max(1) as f64;
+    Ok(Hybrid {
+        p50,
+        p99,
+        exact_p50: e50,
+        exact_p99: e99,
+        store: if approximate { "ivf" } else { "exact" },
+        recall: recall(0),
+        recall_unfamiliar: recall(1),
+        note: format!(
+            "{n} rows, {} windows, BM25 over 60-word texts, index built in {:.0} ms; {recollected} of {} recollected",
+            index.windows(),
+            built.as_secs_f64() * 1e3,
+            queries.len()
+        ),
+    })
+}
+
+/// What [`hybrid`] measured.
+struct Hybrid {
+    /// On the stores the service would choose.
+    p50: f64,
+    p99: f64,
+    /// On exact (flat) stores.
+    exact_p50: f64,
+    exact_p99: f64,
+    /// `ivf` when either store is approximate.
+    store: &'static str,
+    /// Served rows that are in the exact answer, on familiar queries.
+    recall: f64,
+    /// The same on unfamiliar ones (random directions: near-ties of noise).
+    recall_unfamiliar: f64,
+    note: String,
 }
 
 /// LanceDB's vector search over the same rows: (p50 ms, p99 ms, what ran).

@@ -132,11 +132,17 @@ async fn ask(
         return Err(internal(format!("u{user}: {status} {text}")));
     }
     let v: serde_json::Value = serde_json::from_str(&text).map_err(internal)?;
+    // The rows' ids and the events behind them: in the passage view a turn
+    // is answered as part of its session.
     let ids = v["items"]
         .as_array()
         .map(|a| {
             a.iter()
-                .filter_map(|i| i["id"].as_str().map(str::to_owned))
+                .flat_map(|i| {
+                    let sources = i["provenance"]["source_event_ids"].as_array();
+                    std::iter::once(&i["id"]).chain(sources.into_iter().flatten())
+                })
+                .filter_map(|id| id.as_str().map(str::to_owned))
                 .collect()
         })
         .unwrap_or_default();

@@ -2,6 +2,7 @@
 //! steamrf's own operators. Each command prints a report ending with one
 //! `RESULT key=value …` line and writes a markdown table to `--out`.
 
+mod passages;
 mod plot;
 pub mod pyjson;
 mod rfmem;

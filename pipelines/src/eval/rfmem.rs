@@ -21,6 +21,7 @@ use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
+use super::passages;
 use super::plot;
 use super::pyjson::{self, Json};
 use crate::config::EmbedConfig;
@@ -37,6 +38,10 @@ pub struct RfMemEval {
     pub out: PathBuf,
     /// Noise level of the private data.
     pub noise: String,
+    /// How sessions are cut into windows.
+    pub window: steamrf_operators::passage::WindowParams,
+    /// The noise level the hybrid parameters are chosen on.
+    pub tune_noise: String,
 }
 
 struct Question {
@@ -187,29 +192,29 @@ fn mean(s: &Scores, cat: &str) -> (f64, f64) {
     })
 }
 
-/// Runs the evaluation.
-///
-/// # Errors
-/// Missing or malformed data, or embedding failures.
-pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
-    let started = Instant::now();
-    let root = ["eval_data_v1/synthetic_data", "synthetic_data", ""]
-        .iter()
-        .map(|s| e.data.join(s))
-        .find(|p| p.join("community_0").is_dir())
-        .ok_or_else(|| bad(&format!("no community_0 under {}", e.data.display())))?;
+/// One noise level's corpus and questions.
+struct Data {
+    /// Every memory item's official text, users one after another.
+    texts: Vec<String>,
+    /// Each user's range of `texts`.
+    spans: Vec<std::ops::Range<usize>>,
+    questions: Vec<Question>,
+    user_segments: Vec<Vec<String>>,
+    user_units: Vec<Vec<passages::Unit>>,
+}
+
+/// Loads the official protocol's users and questions at `noise`.
+fn load_data(root: &Path, noise: &str) -> Result<Data> {
     let mut texts: Vec<String> = Vec::new();
     let mut spans = Vec::new();
     let mut questions = Vec::new();
     let mut user_segments = Vec::new();
+    let mut user_units = Vec::new();
     for community in 0..2 {
         let dir = root.join(format!("community_{community}"));
         let info = load(&dir.join("eval_info/eval_info_all.json"))?;
-        let gt = load(&dir.join(format!(
-            "eval_info/qa_gt_context_all_noise_{}.json",
-            e.noise
-        )))?;
-        let private = dir.join(format!("private_data/noise_{}", e.noise));
+        let gt = load(&dir.join(format!("eval_info/qa_gt_context_all_noise_{noise}.json")))?;
+        let private = dir.join(format!("private_data/noise_{noise}"));
         let by_name = |file: &str| -> Result<BTreeMap<String, Json>> {
             Ok(load(&private.join(file))?
                 .items()
@@ -230,12 +235,23 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
                 .get("Name")
                 .and_then(Json::as_str)
                 .ok_or_else(|| bad("a user without Name"))?;
+            if !(conv.contains_key(name)
+                || user_ai.contains_key(name)
+                || purchases.contains_key(name))
+            {
+                return Err(bad(&format!(
+                    "{name} (community {community}) has no private data in {}",
+                    private.display()
+                )));
+            }
             let empty = Json::Arr(Vec::new());
-            let items = corpus(
+            let (c, a, p) = (
                 conv.get(name).unwrap_or(&empty),
                 user_ai.get(name).unwrap_or(&empty),
                 purchases.get(name).unwrap_or(&empty),
             );
+            let items = corpus(c, a, p);
+            user_units.push(passages::units(c, a, p));
             let user = user_segments.len();
             spans.push(texts.len()..texts.len() + items.len());
             let (segs, docs): (Vec<String>, Vec<String>) = items.into_iter().unzip();
@@ -280,6 +296,44 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
             }
         }
     }
+    if questions.is_empty() {
+        return Err(bad(&format!(
+            "no scored questions under {} at noise {}",
+            root.display(),
+            noise
+        )));
+    }
+    Ok(Data {
+        texts,
+        spans,
+        questions,
+        user_segments,
+        user_units,
+    })
+}
+
+/// Runs the evaluation.
+///
+/// # Errors
+/// Missing or malformed data, or embedding failures.
+pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&e.out).map_err(|source| Error::Io {
+        context: format!("creating {}", e.out.display()),
+        source,
+    })?;
+    let root = ["eval_data_v1/synthetic_data", "synthetic_data", ""]
+        .iter()
+        .map(|s| e.data.join(s))
+        .find(|p| p.join("community_0").is_dir())
+        .ok_or_else(|| bad(&format!("no community_0 under {}", e.data.display())))?;
+    let Data {
+        texts,
+        spans,
+        questions,
+        user_segments,
+        user_units,
+    } = load_data(&root, &e.noise)?;
     let mut out = vec![format!(
         "eval rfmem: PersonaBench noise {}, {} users, {} memory items, {} scored questions",
         e.noise,
@@ -309,6 +363,48 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         docs.truncated + qv.truncated
     ));
     let dim = docs.dim;
+    let item_vectors: Vec<Vec<f32>> = spans
+        .iter()
+        .map(|s| docs.vectors[s.start * dim..s.end * dim].to_vec())
+        .collect();
+    let hybrid_users = passages::build(
+        &embedder,
+        user_segments.clone(),
+        &user_units,
+        &item_vectors,
+        &e.window,
+        &mut out,
+    )
+    .await?;
+    // The tuning split: the same protocol at another noise level.
+    let tuning = if e.tune_noise == e.noise {
+        None
+    } else {
+        let d = load_data(&root, &e.tune_noise)?;
+        let docs = emb(d.texts).await?;
+        let qv = emb(d.questions.iter().map(|q| q.text.clone()).collect()).await?;
+        let item_vectors: Vec<Vec<f32>> = d
+            .spans
+            .iter()
+            .map(|s| docs.vectors[s.start * dim..s.end * dim].to_vec())
+            .collect();
+        out.push(format!(
+            "  tuning split: noise {}, {} memory items, {} questions",
+            e.tune_noise,
+            docs.vectors.len() / dim,
+            d.questions.len()
+        ));
+        let users = passages::build(
+            &embedder,
+            d.user_segments,
+            &d.user_units,
+            &item_vectors,
+            &e.window,
+            &mut out,
+        )
+        .await?;
+        Some((users, d.questions, qv.vectors))
+    };
     let users: Vec<User> = spans
         .iter()
         .zip(user_segments)
@@ -420,7 +516,8 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         values: vec![f10],
     });
     let png = plot::lines(
-        &e.out.join("rfmem-personabench-alpha.png"),
+        &e.out
+            .join(format!("rfmem-personabench-noise{}-alpha.png", e.noise)),
         "PersonaBench Recall@10 against α (all-MiniLM-L6-v2)",
         ("α", "Recall@10"),
         &alphas,
@@ -435,7 +532,29 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
             mean(&by_type, cat).0
         ));
     }
-    let file = super::write_table(&e.out, "rfmem-personabench.md", &table)?;
+    let test = Split {
+        users: &hybrid_users,
+        questions: &questions,
+        vectors: &qv.vectors,
+    };
+    let tune = tuning.as_ref().map_or(
+        Split {
+            users: &hybrid_users,
+            questions: &questions,
+            vectors: &qv.vectors,
+        },
+        |(users, questions, vectors)| Split {
+            users,
+            questions,
+            vectors,
+        },
+    );
+    let hybrid = hybrid_section(&test, &tune, dim, &mut table)?;
+    let file = super::write_table(
+        &e.out,
+        &format!("rfmem-personabench-noise{}.md", e.noise),
+        &table,
+    )?;
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
         "  familiarity R@5/R@10 {f5:.4}/{f10:.4}; best recollection {:.4}/{:.4} (α {:.1}); steamrf defaults {d5:.4}/{d10:.4}; table in {}; {}; took {:.0} s",
@@ -447,8 +566,210 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         started.elapsed().as_secs_f64()
     ));
     out.push(format!(
-        "RESULT recall5={:.4} recall10={:.4} alpha=0.5 tau=0.25 familiarity_recall10={f10:.4} steamrf_defaults_recall10={d10:.4}",
-        headline.0, headline.1
+        "RESULT noise={} recall5={:.4} recall10={:.4} ndcg10={:.4} tuned_on=noise{} familiarity_recall10={f10:.4} official_rfmem_recall5={:.4} official_rfmem_recall10={:.4} recall10_ci95_low={:.4} recall10_ci95_high={:.4} delta10={:.4} delta10_ci95_low={:.4} delta10_ci95_high={:.4}",
+        e.noise,
+        hybrid.r5,
+        hybrid.r10.0,
+        hybrid.n10,
+        e.tune_noise,
+        headline.0,
+        headline.1,
+        hybrid.r10.1,
+        hybrid.r10.2,
+        hybrid.delta.0,
+        hybrid.delta.1,
+        hybrid.delta.2,
+    ));
+    Ok(out)
+}
+
+/// The hybrid passages' headline (test means, with 95% CIs).
+struct Hybrid {
+    r5: f64,
+    /// Mean and CI.
+    r10: (f64, f64, f64),
+    n10: f64,
+    /// Recall@10 minus top-k over whole items, paired over questions.
+    delta: (f64, f64, f64),
+}
+
+/// One noise level's indexes and questions.
+struct Split<'a> {
+    users: &'a [passages::HybridUser],
+    questions: &'a [Question],
+    vectors: &'a [f32],
+}
+
+impl Split<'_> {
+    fn qs(&self, dim: usize) -> Vec<passages::Q<'_>> {
+        self.questions
+            .iter()
+            .enumerate()
+            .map(|(i, q)| passages::Q {
+                user: q.user,
+                text: &q.text,
+                vector: &self.vectors[i * dim..(i + 1) * dim],
+                truth: &q.truth,
+            })
+            .collect()
+    }
+}
+
+fn avg(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len().max(1) as f64
+}
+
+/// Sweeps the hybrid configurations on the tuning split, picks the best
+/// Recall@10 there (familiarity first, then the paths on top of it), and
+/// scores the choice on the test split; appends the tables to `table`.
+fn hybrid_section(
+    test: &Split<'_>,
+    tune: &Split<'_>,
+    dim: usize,
+    table: &mut String,
+) -> Result<Hybrid> {
+    use passages::PerQuestion;
+    let (tq, vq) = (tune.qs(dim), test.qs(dim));
+    let configs = passages::sweep();
+    let bar = super::progress(configs.len() * 2, "hybrid configurations");
+    let mut rows: Vec<(passages::Config, PerQuestion, PerQuestion)> = Vec::new();
+    for c in &configs {
+        bar.inc(2);
+        rows.push((
+            *c,
+            passages::run(tune.users, &tq, c, score)?,
+            passages::run(test.users, &vq, c, score)?,
+        ));
+    }
+    bar.finish_and_clear();
+    // Only what the service can run is eligible: session vectors are the
+    // mean of their turns' there (whole-item vectors are an ablation).
+    let best = |rows: &[(passages::Config, PerQuestion, PerQuestion)]| {
+        let mut b = (f64::NEG_INFINITY, 0);
+        for (i, r) in rows.iter().enumerate() {
+            if r.0.row_vector != passages::RowVector::Turns {
+                continue;
+            }
+            let m = avg(&r.1.r10);
+            if m > b.0 + 1e-12 {
+                b = (m, i);
+            }
+        }
+        b.1
+    };
+    let chosen = best(&rows);
+    // The paths on top of the familiarity choice, chosen the same way.
+    let base = rows[chosen].0;
+    let mut probe: Vec<f32> = passages::run(
+        tune.users,
+        &tq,
+        &passages::Config {
+            rf: RfMemParams {
+                mode: Mode::Adaptive,
+                ..base.rf
+            },
+            ..base
+        },
+        score,
+    )?
+    .probe_mean;
+    let mut paths = Vec::new();
+    for c in passages::paths(&base, &mut probe) {
+        paths.push((
+            c,
+            passages::run(tune.users, &tq, &c, score)?,
+            passages::run(test.users, &vq, &c, score)?,
+        ));
+    }
+    let chosen_path = best(&paths);
+    table.push_str("\nHybrid RF-Mem over passages. Familiarity sweep (the tuning split's Recall@10 chooses among the turn-mean rows, which the service has; the ablations are window-mean rows (the mean of a session's window vectors), session-head rows (the session with its header embedded whole, cut at the model's limit) and item rows (the official whole-item vector, cut at 256 tokens); the test split's Recall@10 is shown beside it):\n\n| configuration | tuning R@10 | test R@10 |\n| --- | ---: | ---: |\n");
+    for (i, (c, t, v)) in rows.iter().enumerate() {
+        table.push_str(&format!(
+            "| {}{} | {:.4} | {:.4} |\n",
+            passages::name(c),
+            if i == chosen { " **(chosen)**" } else { "" },
+            avg(&t.r10),
+            avg(&v.r10)
+        ));
+    }
+    // Per path on the test split: how often the gate recollects, and the
+    // recall of each path on the questions routed to it and on the others.
+    let fam = &paths[0].2;
+    let rec = &paths[2].2; // recollection, α = 0.5
+    table.push_str("\nPaths on top of the chosen familiarity setting (θ at the 25th/50th/75th percentile of the tuning split's probe means; test split routed by each gate; R@10 of familiarity and of recollection on the questions each gate sends to recollection and to familiarity):\n\n| configuration | tuning R@10 | test R@10 | test routed to recollection | on those: familiarity / recollection | on the rest: familiarity / recollection |\n| --- | ---: | ---: | ---: | --- | --- |\n");
+    for (i, (c, t, v)) in paths.iter().enumerate() {
+        let split = |want: bool, r: &PerQuestion| -> f64 {
+            let xs: Vec<f64> = r
+                .r10
+                .iter()
+                .zip(&v.recollected)
+                .filter(|(_, x)| **x == want)
+                .map(|(r, _)| *r)
+                .collect();
+            avg(&xs)
+        };
+        let routed = v.recollected.iter().filter(|x| **x).count();
+        table.push_str(&format!(
+            "| {}{} | {:.4} | {:.4} | {routed} of {} | {:.4} / {:.4} | {:.4} / {:.4} |\n",
+            passages::name(c),
+            if i == chosen_path {
+                " **(chosen)**"
+            } else {
+                ""
+            },
+            avg(&t.r10),
+            avg(&v.r10),
+            v.r10.len(),
+            split(true, fam),
+            split(true, rec),
+            split(false, fam),
+            split(false, rec),
+        ));
+    }
+    let pick = &paths[chosen_path].2;
+    // Top-k over whole items, no windows, no lexical side: the official
+    // familiarity baseline on the same split.
+    let plain = passages::run(
+        test.users,
+        &vq,
+        &passages::Config {
+            row_vector: passages::RowVector::Plain,
+            rf: RfMemParams {
+                mode: Mode::Familiarity,
+                ..RfMemParams::default()
+            },
+            hybrid: steamrf_operators::passage::HybridParams {
+                mix: 0.0,
+                lexical_weight: 0.0,
+                ..Default::default()
+            },
+        },
+        score,
+    )?;
+    let diff: Vec<f64> = pick
+        .r10
+        .iter()
+        .zip(&plain.r10)
+        .map(|(a, b)| a - b)
+        .collect();
+    let out = Hybrid {
+        r5: avg(&pick.r5),
+        r10: super::bootstrap_ci(&pick.r10, 17),
+        n10: avg(&pick.n10),
+        delta: super::bootstrap_ci(&diff, 17),
+    };
+    table.push_str(&format!(
+        "\nDeclared configuration (chosen on the tuning split): {}. Test: Recall@5 {:.4}, Recall@10 {:.4} [95% CI {:.4}, {:.4}], NDCG@10 {:.4}; against top-k over whole items ({:.4}): {:+.4} [{:+.4}, {:+.4}] (paired bootstrap over questions, 1,000 resamples).\n",
+        passages::name(&paths[chosen_path].0),
+        out.r5,
+        out.r10.0,
+        out.r10.1,
+        out.r10.2,
+        out.n10,
+        avg(&plain.r10),
+        out.delta.0,
+        out.delta.1,
+        out.delta.2,
     ));
     Ok(out)
 }

@@ -34,6 +34,8 @@ use serde::Serialize;
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
+use steamrf_operators::lexical::{Bm25Index, Bm25Params};
+use steamrf_operators::passage::PassageIndex;
 use steamrf_operators::rfmem::VectorStore;
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::MemoryView;
@@ -73,6 +75,20 @@ pub struct Entry {
     pub source_event_ids: Vec<String>,
     /// Kafka partition and offset of its (first) source event, when known.
     pub source: Option<(i32, i64)>,
+    /// A session's passage windows, in the order of the window index.
+    pub windows: Vec<Window>,
+}
+
+/// One passage window of a session: the turn it ends at and the turns it
+/// covers, as offsets into the session's turns in time order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Window {
+    /// The `passages` row (the event id of its last turn).
+    pub event_id: String,
+    /// First turn covered.
+    pub start: u32,
+    /// One past the last turn covered.
+    pub end: u32,
 }
 
 impl Entry {
@@ -85,16 +101,21 @@ impl Entry {
                 .iter()
                 .map(|s| s.len() + size_of::<String>())
                 .sum::<usize>()
+            + self
+                .windows
+                .iter()
+                .map(|w| w.event_id.len() + size_of::<Window>() + EMBEDDING_DIM * 4)
+                .sum::<usize>()
     }
 }
 
 /// One user's corpus.
 #[derive(Debug)]
 pub struct UserCorpus {
-    /// Row `i` of `store` is `entries[i]`.
+    /// Row `i` of `index` is `entries[i]`.
     pub entries: Vec<Entry>,
-    /// The vectors.
-    pub store: VectorStore,
+    /// The rows' vectors, the sessions' windows and BM25 over the contents.
+    pub index: PassageIndex,
 }
 
 /// What the service holds for one user.
@@ -494,13 +515,17 @@ const INTERACTION_COLUMNS: &[&str] = &[
     "source_offset",
 ];
 
+/// The `passages` columns a corpus is built from, in the order `build` reads them.
+const PASSAGE_COLUMNS: &[&str] = &["event_id", "session_id", "first_event_id", "embedding"];
+
 /// Every table whose version is watched, in a fixed order.
-pub const TABLES: [&str; 5] = [
+pub const TABLES: [&str; 6] = [
     "interactions",
     "items",
     "memories",
     "memory_links",
     "prototypes",
+    "passages",
 ];
 
 impl std::fmt::Debug for Tables {
@@ -791,15 +816,28 @@ impl Loader for Tables {
     ) -> BoxFuture<'a, Result<UserData>> {
         Box::pin(async move {
             let filter = format!("user_id = {}", literal(user_id));
-            let (interactions, memories) = futures::try_join!(
+            let passages = async {
+                if cfg.kinds.contains(&CorpusKind::Passage) {
+                    self.query("passages", PASSAGE_COLUMNS, Some(filter.clone()))
+                        .await
+                } else {
+                    Ok(Vec::new())
+                }
+            };
+            let (interactions, memories, passages) = futures::try_join!(
                 self.query("interactions", INTERACTION_COLUMNS, Some(filter.clone())),
-                self.query("memories", crate::steam::MEMORY_COLUMNS, Some(filter)),
+                self.query(
+                    "memories",
+                    crate::steam::MEMORY_COLUMNS,
+                    Some(filter.clone())
+                ),
+                passages,
             )?;
             let mut mems = Vec::new();
             for b in &memories {
                 mems.extend(crate::steam::memories_from(b)?);
             }
-            build_user(cfg, &snap.items, user_id, &interactions, mems)
+            build_user(cfg, &snap.items, user_id, &interactions, &passages, mems)
         })
     }
 
@@ -892,6 +930,7 @@ struct Row {
     entry: Entry,
     vector: Vec<f32>,
     ts: i64,
+    windows: Vec<Vec<f32>>,
 }
 
 struct Turn {
@@ -902,138 +941,15 @@ struct Turn {
     source: Option<(i32, i64)>,
 }
 
-/// One user's [`UserData`] from their `interactions` rows (columns
-/// [`INTERACTION_COLUMNS`]) and memories.
+/// A store over `flat` as the service searches it: exact below `min_rows`
+/// vectors, an IVF (`serve.ivf_probes` probed) from there on.
 ///
 /// # Errors
 /// Vectors of the wrong length.
-pub fn build_user(
-    cfg: &ServeConfig,
-    catalogue: &HashMap<String, ItemInfo>,
-    user_id: &str,
-    interactions: &[RecordBatch],
-    memories: Vec<Memory>,
-) -> Result<UserData> {
-    let want = |k: CorpusKind| cfg.kinds.contains(&k);
-    let mut rows: Vec<Row> = Vec::new();
-    let mut unresolved = false;
-    let mut sessions: BTreeMap<String, Vec<Turn>> = BTreeMap::new();
-    for b in interactions {
-        let event = b.column(0).as_string::<i32>();
-        let kind = b.column(1).as_string::<i32>();
-        let ts = b.column(3).as_primitive::<TimestampMillisecondType>();
-        let part = b.column(9).as_primitive::<Int32Type>();
-        let offset = b.column(10).as_primitive::<Int64Type>();
-        for r in 0..b.num_rows() {
-            let source = Some((part.value(r), offset.value(r)));
-            if let (Some(text), Some(e)) = (opt_str(b.column(7), r), vector(b.column(8), r)) {
-                if !want(CorpusKind::Dialogue) {
-                    continue;
-                }
-                let role = opt_str(b.column(6), r).unwrap_or("user");
-                let content = format!("{role}: {text}");
-                if cfg.group_sessions
-                    && let Some(s) = opt_str(b.column(5), r)
-                {
-                    sessions.entry(s.to_owned()).or_default().push(Turn {
-                        ts: ts.value(r),
-                        event_id: event.value(r).to_owned(),
-                        content,
-                        vector: e.to_vec(),
-                        source,
-                    });
-                    continue;
-                }
-                rows.push(Row {
-                    entry: Entry {
-                        kind: EntryKind::Dialogue,
-                        id: event.value(r).to_owned(),
-                        content,
-                        table: "interactions",
-                        source_event_ids: vec![event.value(r).to_owned()],
-                        source,
-                    },
-                    vector: e.to_vec(),
-                    ts: ts.value(r),
-                });
-            } else if let Some(item) = opt_str(b.column(4), r) {
-                if !want(CorpusKind::Interaction) {
-                    continue;
-                }
-                let Some(info) = catalogue.get(item) else {
-                    unresolved = true;
-                    continue;
-                };
-                rows.push(Row {
-                    entry: Entry {
-                        kind: EntryKind::Interaction,
-                        id: event.value(r).to_owned(),
-                        content: format!("{}: {}", kind.value(r), info.title),
-                        table: "interactions",
-                        source_event_ids: vec![event.value(r).to_owned()],
-                        source,
-                    },
-                    vector: info.embedding.clone(),
-                    ts: ts.value(r),
-                });
-            }
-        }
-    }
-    for (session, mut turns) in sessions {
-        turns.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.event_id.cmp(&b.event_id)));
-        let mut v = vec![0.0f32; EMBEDDING_DIM];
-        for t in &turns {
-            v.iter_mut().zip(&t.vector).for_each(|(a, b)| *a += b);
-        }
-        rows.push(Row {
-            entry: Entry {
-                kind: EntryKind::Session,
-                id: session,
-                content: turns
-                    .iter()
-                    .map(|t| t.content.as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-                table: "interactions",
-                source_event_ids: turns.iter().map(|t| t.event_id.clone()).collect(),
-                source: turns.first().and_then(|t| t.source),
-            },
-            vector: v,
-            ts: turns.first().map_or(0, |t| t.ts),
-        });
-    }
-    let mut mems = UserMemories::new(user_id);
-    for m in memories {
-        if want(CorpusKind::Memory) {
-            rows.push(Row {
-                entry: Entry {
-                    kind: EntryKind::Memory,
-                    id: m.id.to_string(),
-                    content: m.content.clone(),
-                    table: "memories",
-                    source_event_ids: m.interactions.clone(),
-                    source: None,
-                },
-                vector: m.embedding.clone(),
-                ts: m.created_ms,
-            });
-        }
-        mems.memories.push(m);
-    }
-    // Formation order, as the write path keeps them.
-    mems.memories
-        .sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
-    // A stable row order: by time, then id.
-    rows.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.entry.id.cmp(&b.entry.id)));
-    let mut flat = Vec::with_capacity(rows.len() * EMBEDDING_DIM);
-    let mut entries = Vec::with_capacity(rows.len());
-    for r in rows {
-        flat.extend_from_slice(&r.vector);
-        entries.push(r.entry);
-    }
-    let vector_bytes = flat.len() * 4;
+pub fn vector_store(cfg: &ServeConfig, flat: Vec<f32>, min_rows: usize) -> Result<VectorStore> {
+    let n = flat.len() / EMBEDDING_DIM;
     let corpus = Corpus::from_vec(flat, EMBEDDING_DIM).map_err(internal)?;
-    let store = if entries.len() >= cfg.ivf_min_rows {
+    Ok(if n >= min_rows {
         VectorStore::ivf(
             corpus,
             &IvfParams {
@@ -1051,14 +967,232 @@ pub fn build_user(
                 ..CpuKernel::default()
             },
         )
-    };
+    })
+}
+
+/// One user's [`UserData`] from their `interactions` rows (columns
+/// [`INTERACTION_COLUMNS`]), `passages` rows ([`PASSAGE_COLUMNS`]) and
+/// memories.
+///
+/// # Errors
+/// Vectors of the wrong length.
+pub fn build_user(
+    cfg: &ServeConfig,
+    catalogue: &HashMap<String, ItemInfo>,
+    user_id: &str,
+    interactions: &[RecordBatch],
+    passages: &[RecordBatch],
+    memories: Vec<Memory>,
+) -> Result<UserData> {
+    let want = |k: CorpusKind| cfg.kinds.contains(&k);
+    let mut rows: Vec<Row> = Vec::new();
+    let mut unresolved = false;
+    let mut sessions: BTreeMap<String, Vec<Turn>> = BTreeMap::new();
+    for b in interactions {
+        let event = b.column(0).as_string::<i32>();
+        let kind = b.column(1).as_string::<i32>();
+        let ts = b.column(3).as_primitive::<TimestampMillisecondType>();
+        let part = b.column(9).as_primitive::<Int32Type>();
+        let offset = b.column(10).as_primitive::<Int64Type>();
+        for r in 0..b.num_rows() {
+            let source = Some((part.value(r), offset.value(r)));
+            if let (Some(text), Some(e)) = (opt_str(b.column(7), r), vector(b.column(8), r)) {
+                let (as_passage, as_turn) = (want(CorpusKind::Passage), want(CorpusKind::Dialogue));
+                if !as_passage && !as_turn {
+                    continue;
+                }
+                let role = opt_str(b.column(6), r).unwrap_or("user");
+                let content = format!("{role}: {text}");
+                let session = opt_str(b.column(5), r);
+                if let Some(s) = session
+                    && (as_passage || cfg.group_sessions)
+                {
+                    sessions.entry(s.to_owned()).or_default().push(Turn {
+                        ts: ts.value(r),
+                        event_id: event.value(r).to_owned(),
+                        content: content.clone(),
+                        vector: e.to_vec(),
+                        source,
+                    });
+                }
+                if !as_turn || (cfg.group_sessions && session.is_some()) {
+                    continue;
+                }
+                rows.push(Row {
+                    entry: Entry {
+                        kind: EntryKind::Dialogue,
+                        id: event.value(r).to_owned(),
+                        content,
+                        table: "interactions",
+                        source_event_ids: vec![event.value(r).to_owned()],
+                        source,
+                        windows: Vec::new(),
+                    },
+                    vector: e.to_vec(),
+                    ts: ts.value(r),
+                    windows: Vec::new(),
+                });
+            } else if let Some(item) = opt_str(b.column(4), r) {
+                if !want(CorpusKind::Interaction) {
+                    continue;
+                }
+                let Some(info) = catalogue.get(item) else {
+                    unresolved = true;
+                    continue;
+                };
+                rows.push(Row {
+                    entry: Entry {
+                        kind: EntryKind::Interaction,
+                        id: event.value(r).to_owned(),
+                        content: format!("{}: {}", kind.value(r), info.title),
+                        table: "interactions",
+                        source_event_ids: vec![event.value(r).to_owned()],
+                        source,
+                        windows: Vec::new(),
+                    },
+                    vector: info.embedding.clone(),
+                    ts: ts.value(r),
+                    windows: Vec::new(),
+                });
+            }
+        }
+    }
+    // The sessions' windows: session → (last turn, first turn, vector).
+    type Windows<'a> = Vec<(&'a str, &'a str, &'a [f32])>;
+    let mut by_session: HashMap<&str, Windows<'_>> = HashMap::new();
+    for b in passages {
+        let event = b.column(0).as_string::<i32>();
+        let session = b.column(1).as_string::<i32>();
+        let first = b.column(2).as_string::<i32>();
+        for r in 0..b.num_rows() {
+            if let Some(v) = vector(b.column(3), r) {
+                by_session.entry(session.value(r)).or_default().push((
+                    event.value(r),
+                    first.value(r),
+                    v,
+                ));
+            }
+        }
+    }
+    for (session, mut turns) in sessions {
+        turns.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.event_id.cmp(&b.event_id)));
+        let mut v = vec![0.0f32; EMBEDDING_DIM];
+        for t in &turns {
+            v.iter_mut().zip(&t.vector).for_each(|(a, b)| *a += b);
+        }
+        let at: HashMap<&str, u32> = turns
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.event_id.as_str(), i as u32))
+            .collect();
+        let mut windows: Vec<(Window, Vec<f32>)> = by_session
+            .get(session.as_str())
+            .into_iter()
+            .flatten()
+            .filter_map(|&(last, first, v)| {
+                // A window whose turns are gone (forgotten) is left out.
+                let (start, end) = (*at.get(first)?, *at.get(last)? + 1);
+                (start < end).then(|| {
+                    (
+                        Window {
+                            event_id: last.to_owned(),
+                            start,
+                            end,
+                        },
+                        v.to_vec(),
+                    )
+                })
+            })
+            .collect();
+        windows.sort_by_key(|w| (w.0.end, w.0.start));
+        let (windows, vectors): (Vec<Window>, Vec<Vec<f32>>) = windows.into_iter().unzip();
+        rows.push(Row {
+            entry: Entry {
+                kind: EntryKind::Session,
+                id: session,
+                content: turns
+                    .iter()
+                    .map(|t| t.content.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                table: "interactions",
+                source_event_ids: turns.iter().map(|t| t.event_id.clone()).collect(),
+                source: turns.first().and_then(|t| t.source),
+                windows,
+            },
+            vector: v,
+            ts: turns.first().map_or(0, |t| t.ts),
+            windows: vectors,
+        });
+    }
+    let mut mems = UserMemories::new(user_id);
+    for m in memories {
+        if want(CorpusKind::Memory) {
+            rows.push(Row {
+                entry: Entry {
+                    kind: EntryKind::Memory,
+                    id: m.id.to_string(),
+                    content: m.content.clone(),
+                    table: "memories",
+                    source_event_ids: m.interactions.clone(),
+                    source: None,
+                    windows: Vec::new(),
+                },
+                vector: m.embedding.clone(),
+                ts: m.created_ms,
+                windows: Vec::new(),
+            });
+        }
+        mems.memories.push(m);
+    }
+    // Formation order, as the write path keeps them.
+    mems.memories
+        .sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
+    // A stable row order: by time, then id.
+    rows.sort_by(|a, b| a.ts.cmp(&b.ts).then_with(|| a.entry.id.cmp(&b.entry.id)));
+    let mut flat = Vec::with_capacity(rows.len() * EMBEDDING_DIM);
+    let mut window_flat = Vec::new();
+    let mut owner = Vec::new();
+    let mut entries = Vec::with_capacity(rows.len());
+    // Dense candidates come from the window index once there is one, so a
+    // row without windows (a click, a memory, a session from before passages
+    // were written) is its own one window; `Entry::windows` stays empty, so
+    // no passage is named for it.
+    let any_windows = rows.iter().any(|r| !r.windows.is_empty());
+    for (i, r) in rows.into_iter().enumerate() {
+        flat.extend_from_slice(&r.vector);
+        if any_windows && r.windows.is_empty() {
+            window_flat.extend_from_slice(&r.vector);
+            owner.push(i as u32);
+        }
+        for w in &r.windows {
+            window_flat.extend_from_slice(w);
+            owner.push(i as u32);
+        }
+        entries.push(r.entry);
+    }
+    let vector_bytes = flat.len() * 4;
+    let lexical = (cfg.hybrid.lexical_weight > 0.0).then(|| {
+        Bm25Index::new(
+            entries.iter().map(|e| e.content.as_str()),
+            Bm25Params::default(),
+        )
+    });
+    let index = PassageIndex::new(
+        vector_store(cfg, flat, cfg.ivf_min_rows)?,
+        vector_store(cfg, window_flat, cfg.ivf_min_windows)?,
+        owner,
+        lexical,
+    )
+    .map_err(internal)?;
     let bytes = size_of::<UserData>()
         + user_id.len() * 2
         + vector_bytes
+        + index.bytes()
         + entries.iter().map(Entry::bytes).sum::<usize>()
         + mems.memories.iter().map(memory_bytes).sum::<usize>();
     Ok(UserData {
-        corpus: UserCorpus { entries, store },
+        corpus: UserCorpus { entries, index },
         memories: mems,
         unresolved,
         bytes,
@@ -1128,12 +1262,118 @@ mod tests {
     fn load(group_sessions: bool) -> (UserData, HashMap<String, ItemInfo>) {
         let mut cfg = Config::load_with_env(None, []).unwrap().serve;
         cfg.group_sessions = group_sessions;
+        cfg.kinds = vec![
+            CorpusKind::Memory,
+            CorpusKind::Dialogue,
+            CorpusKind::Interaction,
+        ];
         let (inter, items) = tables();
         let items = catalogue(&[items]);
         (
-            build_user(&cfg, &items, "u", &[inter], Vec::new()).unwrap(),
+            build_user(&cfg, &items, "u", &[inter], &[], Vec::new()).unwrap(),
             items,
         )
+    }
+
+    #[test]
+    fn sessions_carry_their_passage_windows_by_turn_offsets() {
+        use steamrf_operators::passage::{HybridParams, retrieve_until};
+        use steamrf_operators::rfmem::{Mode, RfMemParams};
+        // The default view: sessions with their windows, and interactions.
+        let cfg = Config::load_with_env(None, []).unwrap().serve;
+        assert!(cfg.kinds.contains(&CorpusKind::Passage));
+        let (inter, items) = tables();
+        let items = catalogue(&[items]);
+        let schema = Arc::new(arrow_schema::Schema::new(
+            PASSAGE_COLUMNS
+                .iter()
+                .map(|c| {
+                    steamrf_schemas::TableName::Passages
+                        .schema()
+                        .field_with_name(c)
+                        .unwrap()
+                        .clone()
+                })
+                .collect::<Vec<_>>(),
+        ));
+        // The window ending at t2 covers t1..t2; one names a forgotten turn.
+        let mut v = axis(5);
+        v.extend(axis(6));
+        let passages = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(arrow_array::StringArray::from(vec!["t2", "gone"])),
+                Arc::new(arrow_array::StringArray::from(vec!["s1", "s1"])),
+                Arc::new(arrow_array::StringArray::from(vec!["t1", "t0"])),
+                steamrf_schemas::tables::embedding_array(&v, 2).unwrap(),
+            ],
+        )
+        .unwrap();
+        let u = build_user(&cfg, &items, "u", &[inter], &[passages], Vec::new()).unwrap();
+        let c = &u.corpus;
+        let sessions: Vec<&str> = c
+            .entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::Session)
+            .map(|e| e.id.as_str())
+            .collect();
+        assert_eq!(sessions, ["s1", "s2"]);
+        assert!(c.entries.iter().all(|e| e.kind != EntryKind::Dialogue));
+        let s1 = c.entries.iter().position(|e| e.id == "s1").unwrap();
+        let s2 = c.entries.iter().position(|e| e.id == "s2").unwrap();
+        assert_eq!(
+            c.entries[s1].windows,
+            [Window {
+                event_id: "t2".into(),
+                start: 0,
+                end: 2
+            }]
+        );
+        assert!(c.entries[s2].windows.is_empty());
+        // s1's window, and every other row (s2, the click) as its own one.
+        assert_eq!(c.index.windows(), c.entries.len());
+        // A query along the window's vector finds s1 through it.
+        let p = RfMemParams {
+            mode: Mode::Familiarity,
+            k: 1,
+            ..RfMemParams::default()
+        };
+        let a = retrieve_until(
+            &c.index,
+            &axis(5),
+            None,
+            &p,
+            &HybridParams::default(),
+            &|| false,
+        )
+        .unwrap();
+        assert_eq!(
+            (a.hits[0].row as usize, a.hits[0].passage),
+            (s1, c.index.first_window(s1 as u32)),
+            "{a:?}"
+        );
+        // A row without windows of its own is still found densely.
+        let a = retrieve_until(
+            &c.index,
+            c.index.rows().vector(s2),
+            None,
+            &p,
+            &HybridParams::default(),
+            &|| false,
+        )
+        .unwrap();
+        assert_eq!(a.hits[0].row as usize, s2, "{a:?}");
+        // And the lexical side reads the contents.
+        let a = retrieve_until(
+            &c.index,
+            &axis(9),
+            Some("cat Miles"),
+            &p,
+            &HybridParams::default(),
+            &|| false,
+        )
+        .unwrap();
+        assert_eq!(c.entries[a.hits[0].row as usize].id, "s2", "{a:?}");
     }
 
     #[test]
@@ -1157,8 +1397,8 @@ mod tests {
         );
         assert_eq!(u.entries[0].source, Some((0, 1)));
         // Row i of the store is entry i: t1 was embedded as axis 1.
-        assert_eq!(u.store.vector(0)[1], 1.0);
-        assert_eq!(u.store.vector(3)[3], 1.0);
+        assert_eq!(u.index.rows().vector(0)[1], 1.0);
+        assert_eq!(u.index.rows().vector(3)[3], 1.0);
         assert!(items.contains_key("i1"));
     }
 
@@ -1176,7 +1416,7 @@ mod tests {
         );
         assert_eq!(e.source_event_ids, ["t1", "t2"]);
         // The session's vector is the normalised mean of its turns'.
-        let v = u.store.vector(s1);
+        let v = u.index.rows().vector(s1);
         let h = std::f32::consts::FRAC_1_SQRT_2;
         assert!((v[0] - h).abs() < 1e-6 && (v[1] - h).abs() < 1e-6);
         assert_eq!(u.entries.len(), 3, "two sessions and a click");
@@ -1252,6 +1492,12 @@ mod tests {
         let mut config = Config::load_with_env(None, []).unwrap();
         config.lancedb.uri = dir.path().to_str().unwrap().to_owned();
         config.lancedb.reindex_rows = 1;
+        // Turns as rows: the ids are the events'.
+        config.serve.kinds = vec![
+            CorpusKind::Memory,
+            CorpusKind::Dialogue,
+            CorpusKind::Interaction,
+        ];
         let sink = LanceSink::open(&config.lancedb, Metrics::new(&[]))
             .await
             .unwrap();
@@ -1307,7 +1553,7 @@ mod tests {
 
     fn sized(bytes: usize, unresolved: bool) -> Arc<UserData> {
         let cfg = Config::load_with_env(None, []).unwrap().serve;
-        let mut u = build_user(&cfg, &HashMap::new(), "x", &[], Vec::new()).unwrap();
+        let mut u = build_user(&cfg, &HashMap::new(), "x", &[], &[], Vec::new()).unwrap();
         u.bytes = bytes;
         u.unresolved = unresolved;
         Arc::new(u)

@@ -7,7 +7,7 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Registry, exponential_buckets,
 };
-use steamrf_operators::rfmem::{Answer, Path, Rule};
+use steamrf_operators::rfmem::{Path, Rule};
 
 use super::cache::{CacheStats, Snapshot, TABLES};
 use crate::metrics::{counter, gauge_vec, histogram};
@@ -293,16 +293,23 @@ impl ServeMetrics {
     }
 
     /// Records what a retrieval did.
-    pub fn observe_answer(&self, a: &Answer) {
+    pub fn observe_answer(
+        &self,
+        path: Path,
+        rule: Rule,
+        rounds: u32,
+        probe_time: std::time::Duration,
+        path_time: std::time::Duration,
+    ) {
         self.gate
-            .with_label_values(&[a.path.as_str(), a.rule.as_str()])
+            .with_label_values(&[path.as_str(), rule.as_str()])
             .inc();
-        self.probe_duration.observe(a.probe_time.as_secs_f64());
+        self.probe_duration.observe(probe_time.as_secs_f64());
         self.path_duration
-            .with_label_values(&[a.path.as_str()])
-            .observe(a.path_time.as_secs_f64());
-        if a.path == Path::Recollection {
-            self.rounds.observe(f64::from(a.rounds));
+            .with_label_values(&[path.as_str()])
+            .observe(path_time.as_secs_f64());
+        if path == Path::Recollection {
+            self.rounds.observe(f64::from(rounds));
         }
     }
 

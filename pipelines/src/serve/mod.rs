@@ -40,6 +40,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Serialize;
 use steamrf_operators::embed::Embedder;
+use steamrf_operators::passage;
 use steamrf_operators::rfmem::{self, RfMemParams};
 use steamrf_operators::steam::MemoryId;
 use steamrf_operators::steam::relations::tenant_of;
@@ -531,9 +532,19 @@ pub struct Item {
     pub id: String,
     /// Its text.
     pub content: String,
-    /// Cosine with the query.
+    /// The fused score: `dense + lexical_weight · lexical` (the order).
     pub score: f32,
-    /// The recollection round that found it (0 for familiarity).
+    /// The dense part: `mix ·` the best window's cosine `+ (1 − mix) ·` the
+    /// whole row's (the row's cosine when it has no windows).
+    pub dense: f32,
+    /// The lexical part: the row's BM25 score for the query text over the
+    /// most any row could score for it (0–1; 0 without query text).
+    pub lexical: f32,
+    /// The passage window that scored best, for a session with windows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passage: Option<cache::Window>,
+    /// The recollection round that found it (0 for familiarity or a row
+    /// only the lexical side proposed).
     pub round: u32,
     /// Provenance.
     pub provenance: Provenance,
@@ -584,8 +595,11 @@ pub struct Explanation {
     pub rounds: u32,
     /// Rows searched.
     pub candidates: usize,
-    /// Trailing rows added by the top-up of a short recollection.
+    /// Windows (or rows) a short recollection was topped up with.
     pub filled: usize,
+    /// Rows among the answer's candidates that only the lexical side
+    /// proposed.
+    pub lexical_only: usize,
     /// Rows in the user's corpus.
     pub corpus_rows: usize,
     /// Whether the corpus is searched approximately (IVF).
@@ -855,6 +869,7 @@ async fn retrieve_as(
         deadline: started + st.cfg.request_timeout,
         gone,
     };
+    let query_text = req.query.clone();
     let (q, embed_time) = query_vector(st, &mut req).await?;
     let collaborative = req.collaborative.unwrap_or(st.cfg.collaborative);
     let view = st
@@ -869,6 +884,7 @@ async fn retrieve_as(
             &view,
             user_id,
             &q,
+            query_text.as_deref(),
             &p,
             collaborative,
             embed_time,
@@ -886,18 +902,23 @@ fn answer(
     view: &View,
     user_id: String,
     q: &[f32],
+    query_text: Option<&str>,
     p: &RfMemParams,
     collaborative: bool,
     embed_time: Duration,
     started: Instant,
     budget: &Budget,
 ) -> Result<RetrieveResponse, ApiError> {
-    let corpus = &view.user.corpus.store;
-    let a = rfmem::retrieve_until(corpus, q, p, &|| budget.exhausted()).map_err(|e| match e {
+    let corpus = &view.user.corpus.index;
+    let a = passage::retrieve_until(corpus, q, query_text, p, &st.cfg.hybrid, &|| {
+        budget.exhausted()
+    })
+    .map_err(|e| match e {
         rfmem::Error::Invalid { field, reason } => ApiError::invalid(field, reason),
         other => ApiError::internal(other.to_string()),
     })?;
-    st.metrics.observe_answer(&a);
+    st.metrics
+        .observe_answer(a.path, a.rule, a.rounds, a.probe_time, a.path_time);
     if a.truncated {
         let reason = if budget.gone.load(Ordering::Relaxed) {
             "client_gone"
@@ -911,12 +932,19 @@ fn answer(
         .hits
         .iter()
         .filter_map(|h| {
-            let e = entries.get(h.index as usize)?;
+            let e = entries.get(h.row as usize)?;
+            let passage = h.passage.and_then(|w| {
+                let first = corpus.first_window(h.row)?;
+                e.windows.get(w.checked_sub(first)? as usize).cloned()
+            });
             Some(Item {
                 kind: e.kind,
                 id: e.id.clone(),
                 content: e.content.clone(),
                 score: h.score,
+                dense: h.dense,
+                lexical: h.lexical,
+                passage,
                 round: h.round,
                 provenance: Provenance {
                     table: e.table,
@@ -943,8 +971,9 @@ fn answer(
             rounds: a.rounds,
             candidates: a.candidates,
             filled: a.filled,
+            lexical_only: a.lexical_only,
             corpus_rows: corpus.len(),
-            approximate: corpus.is_approximate(),
+            approximate: corpus.rows().is_approximate(),
             truncated: a.truncated,
             table_versions: view.snap.versions.clone(),
             latency: Latency {
@@ -1358,6 +1387,7 @@ async fn refresh(
         for (table, columns) in [
             ("interactions", &["user_id"][..]),
             ("memories", &["user_id", "memory_id"][..]),
+            ("passages", &["user_id"][..]),
         ] {
             if !moved(table) || changes.all {
                 continue;

@@ -77,14 +77,25 @@ impl Loader for Fixed {
     ) -> futures::future::BoxFuture<'a, Result<UserData>> {
         Box::pin(async move {
             let (entries, rows) = self.corpora.get(user_id).cloned().unwrap_or_default();
+            let store = |rows: Vec<f32>| {
+                rfmem::VectorStore::flat(
+                    Corpus::from_vec(rows, EMBEDDING_DIM).unwrap(),
+                    CpuKernel::default(),
+                )
+            };
+            let lexical = steamrf_operators::lexical::Bm25Index::new(
+                entries.iter().map(|e| e.content.as_str()),
+                Default::default(),
+            );
+            let index = passage::PassageIndex::new(
+                store(rows),
+                store(Vec::new()),
+                Vec::new(),
+                Some(lexical),
+            )
+            .unwrap();
             Ok(UserData {
-                corpus: UserCorpus {
-                    entries,
-                    store: rfmem::VectorStore::flat(
-                        Corpus::from_vec(rows, EMBEDDING_DIM).unwrap(),
-                        CpuKernel::default(),
-                    ),
-                },
+                corpus: UserCorpus { entries, index },
                 memories: UserMemories {
                     user_id: user_id.to_owned(),
                     memories: self
@@ -122,6 +133,7 @@ fn fixed() -> Fixed {
             table: "interactions",
             source_event_ids: vec!["t1".into()],
             source: Some((0, 41)),
+            windows: Vec::new(),
         },
         Entry {
             kind: EntryKind::Dialogue,
@@ -130,6 +142,7 @@ fn fixed() -> Fixed {
             table: "interactions",
             source_event_ids: vec!["t2".into()],
             source: Some((0, 42)),
+            windows: Vec::new(),
         },
     ];
     let mut rows = jazz(0.5);

@@ -1,0 +1,201 @@
+//! Lexical scoring: Okapi BM25 over one user's rows, as an inverted index.
+//!
+//! Terms are maximal runs of alphanumeric characters, lower-cased (Unicode
+//! aware; no stemming, no stop list: BM25's idf already gives a word every
+//! row holds a weight near zero). Scoring walks only the postings of the
+//! query's terms, so its cost is the number of rows that share a term with
+//! the query, not the corpus size.
+
+use std::collections::HashMap;
+
+/// BM25's parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bm25Params {
+    /// Term-frequency saturation.
+    pub k1: f32,
+    /// Length normalisation (0: none, 1: full).
+    pub b: f32,
+}
+
+impl Default for Bm25Params {
+    fn default() -> Self {
+        Self { k1: 1.2, b: 0.75 }
+    }
+}
+
+/// The terms of `text`, in order: maximal alphanumeric runs, lower-cased.
+pub fn terms(text: &str) -> impl Iterator<Item = String> + '_ {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+}
+
+/// A BM25 index over documents numbered `0..len()`.
+#[derive(Debug, Clone, Default)]
+pub struct Bm25Index {
+    /// Term → (document, term frequency), documents ascending.
+    postings: HashMap<Box<str>, Vec<(u32, u32)>>,
+    /// Document lengths in terms.
+    lens: Vec<u32>,
+    avg_len: f32,
+    params: Bm25Params,
+}
+
+impl Bm25Index {
+    /// Indexes `docs` in order.
+    pub fn new<S: AsRef<str>>(docs: impl IntoIterator<Item = S>, params: Bm25Params) -> Self {
+        let mut postings: HashMap<Box<str>, Vec<(u32, u32)>> = HashMap::new();
+        let mut lens = Vec::new();
+        for (d, doc) in docs.into_iter().enumerate() {
+            let d = u32::try_from(d).unwrap_or(u32::MAX);
+            let mut len = 0u32;
+            for t in terms(doc.as_ref()) {
+                len += 1;
+                let list = postings.entry(t.into_boxed_str()).or_default();
+                match list.last_mut() {
+                    Some((last, tf)) if *last == d => *tf += 1,
+                    _ => list.push((d, 1)),
+                }
+            }
+            lens.push(len);
+        }
+        let avg_len = if lens.is_empty() {
+            0.0
+        } else {
+            lens.iter().map(|&l| l as f32).sum::<f32>() / lens.len() as f32
+        };
+        Self {
+            postings,
+            lens,
+            avg_len,
+            params,
+        }
+    }
+
+    /// Documents indexed.
+    pub fn len(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Whether no document is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.lens.is_empty()
+    }
+
+    /// Inverse document frequency of a term held by `df` documents
+    /// (Lucene's form, never negative).
+    fn idf(&self, df: usize) -> f32 {
+        let n = self.lens.len() as f32;
+        let df = df as f32;
+        ((n - df + 0.5) / (df + 0.5) + 1.0).ln()
+    }
+
+    /// The BM25 score of every document that shares a term with `query`
+    /// (the others score 0), unordered. A query term counts once per
+    /// occurrence in the query.
+    pub fn scores(&self, query: &str) -> Vec<(u32, f32)> {
+        let mut q: HashMap<String, f32> = HashMap::new();
+        for t in terms(query) {
+            *q.entry(t).or_insert(0.0) += 1.0;
+        }
+        let Bm25Params { k1, b } = self.params;
+        let avg = self.avg_len.max(1.0);
+        let mut acc: HashMap<u32, f32> = HashMap::new();
+        for (t, times) in &q {
+            let Some(list) = self.postings.get(t.as_str()) else {
+                continue;
+            };
+            let idf = self.idf(list.len());
+            for &(d, tf) in list {
+                let tf = tf as f32;
+                let norm = k1 * (1.0 - b + b * self.lens[d as usize] as f32 / avg);
+                *acc.entry(d).or_insert(0.0) += times * idf * tf * (k1 + 1.0) / (tf + norm);
+            }
+        }
+        acc.into_iter().collect()
+    }
+
+    /// The most any document could score for `query`: each query term the
+    /// index holds at its saturated weight, `idf · (k1 + 1)` per occurrence
+    /// in the query. A score divided by it is in [0, 1] and absolute: a row
+    /// that shares only common words with the query stays near 0 even when
+    /// it is the best match (0 when no query term is indexed).
+    pub fn max_score(&self, query: &str) -> f32 {
+        let k1 = self.params.k1;
+        terms(query)
+            .filter_map(|t| self.postings.get(t.as_str()))
+            .map(|list| self.idf(list.len()) * (k1 + 1.0))
+            .sum()
+    }
+
+    /// Approximate heap bytes held.
+    pub fn bytes(&self) -> usize {
+        self.postings
+            .iter()
+            .map(|(k, v)| k.len() + v.capacity() * 8 + 48)
+            .sum::<usize>()
+            + self.lens.capacity() * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn score(ix: &Bm25Index, q: &str) -> Vec<f32> {
+        let mut out = vec![0.0; ix.len()];
+        for (d, s) in ix.scores(q) {
+            out[d as usize] = s;
+        }
+        out
+    }
+
+    #[test]
+    fn terms_are_lowercased_alphanumeric_runs() {
+        let t: Vec<String> = terms("Café au-lait, 2 × Blue_Train!").collect();
+        assert_eq!(t, ["café", "au", "lait", "2", "blue", "train"]);
+    }
+
+    #[test]
+    fn bm25_matches_a_hand_computed_score() {
+        let ix = Bm25Index::new(
+            ["blue train", "blue blue note", "giant steps"],
+            Bm25Params::default(),
+        );
+        let s = score(&ix, "blue");
+        // df = 2 of n = 3: idf = ln((3 − 2 + 0.5) / 2.5 + 1) = ln 1.6.
+        let idf = 1.6f32.ln();
+        let avg = 7.0 / 3.0;
+        let one = |tf: f32, len: f32| idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len / avg));
+        assert!((s[0] - one(1.0, 2.0)).abs() < 1e-6, "{s:?}");
+        assert!((s[1] - one(2.0, 3.0)).abs() < 1e-6, "{s:?}");
+        assert_eq!(s[2], 0.0);
+        // A rarer term weighs more than a common one.
+        let s = score(&ix, "giant blue");
+        assert!(s[2] > s[0]);
+        // The ceiling: idf · (k1 + 1) per indexed query term.
+        let ceiling = ix.max_score("blue giant nothing");
+        assert!(
+            (ceiling - (idf + (8.0f32 / 3.0).ln()) * 2.2).abs() < 1e-5,
+            "{ceiling}"
+        );
+        assert!(s.iter().all(|&x| x < ceiling));
+        assert_eq!(ix.max_score("nothing"), 0.0);
+        // No shared term: nothing scored.
+        assert!(ix.scores("nothing here").is_empty());
+        assert!(
+            Bm25Index::new(Vec::<String>::new(), Bm25Params::default())
+                .scores("x")
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn repeating_a_query_term_weighs_it_more() {
+        let ix = Bm25Index::new(["cat", "dog"], Bm25Params::default());
+        let once = score(&ix, "cat dog");
+        let twice = score(&ix, "cat cat dog");
+        assert!((twice[0] - 2.0 * once[0]).abs() < 1e-6);
+        assert!((twice[1] - once[1]).abs() < 1e-6);
+    }
+}
