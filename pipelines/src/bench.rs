@@ -66,6 +66,53 @@ pub struct IngestBench {
     /// idempotent write skips): a backlog of `events` over a table that
     /// never exceeds `distinct` rows. `events` when 0.
     pub distinct: u64,
+    /// The share of events that are dialogue turns (embedded at ingest, with
+    /// their passage windows); the rest are clicks.
+    pub turns_share: f64,
+}
+
+/// Whether bench event `i` is a dialogue turn when a `share` of them are:
+/// spread evenly over the stream by a multiplicative hash of `i`.
+pub fn bench_is_turn(i: u64, share: f64) -> bool {
+    (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f64 / f64::from(1u32 << 24) < share
+}
+
+/// The text of bench dialogue turn `i`: 4–48 words of [`WORDS`], fixed by `i`.
+pub fn bench_turn_text(i: u64) -> String {
+    let mut h = i.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let mut next = || {
+        // xorshift64*
+        h ^= h >> 12;
+        h ^= h << 25;
+        h ^= h >> 27;
+        h.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let len = 4 + (next() % 45) as usize;
+    let mut words: Vec<&str> = (0..len)
+        .map(|_| WORDS[(next() % WORDS.len() as u64) as usize])
+        .collect();
+    words.push(".");
+    words.join(" ")
+}
+
+/// Bench event `i`: a dialogue turn (see [`bench_is_turn`]) or a ~200-byte click.
+pub fn bench_event_mixed(i: u64, turns_share: f64) -> (String, String) {
+    if !bench_is_turn(i, turns_share) {
+        return bench_event(i);
+    }
+    let user = format!("user-{:06}", i % 100_000);
+    let payload = serde_json::json!({
+        "type": "dialogue_turn",
+        "schema_version": 1,
+        "event_id": format!("bench-{i:012}"),
+        "timestamp": 1_764_000_000_000u64 + i,
+        "user_id": user,
+        "session_id": format!("session-{user}-{}", i / 1_000_000),
+        "role": "user",
+        "text": bench_turn_text(i),
+    })
+    .to_string();
+    (user, payload)
 }
 
 /// One ~200-byte click event.
@@ -92,16 +139,21 @@ pub async fn produce_events(
     partitions: i32,
     n: u64,
     distinct: u64,
+    turns_share: f64,
 ) -> Result<Vec<String>> {
     crate::source::ensure_topic(brokers, &Default::default(), topic, partitions, &[]).await?;
     let (b, t) = (brokers.to_owned(), topic.to_owned());
-    let (rate, avg) = tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct))
-        .await
-        .map_err(|e| Error::Internal {
-            message: e.to_string(),
-        })??;
+    let (rate, avg) =
+        tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct, turns_share))
+            .await
+            .map_err(|e| Error::Internal {
+                message: e.to_string(),
+            })??;
     Ok(vec![
-        format!("produced {n} click events of {avg} bytes on average into {topic} at {rate:.0}/s"),
+        format!(
+            "produced {n} events ({:.0}% dialogue turns) of {avg} bytes on average into {topic} at {rate:.0}/s",
+            turns_share * 100.0
+        ),
         format!("RESULT events={n} events_per_s={rate:.0} avg_bytes={avg}"),
     ])
 }
@@ -113,6 +165,7 @@ fn produce_in_child(
     topic: &str,
     n: u64,
     distinct: u64,
+    turns_share: f64,
 ) -> Result<(f64, usize)> {
     let out = Command::new(producer)
         .args(["bench", "produce", "--brokers", brokers, "--topic", topic])
@@ -121,6 +174,8 @@ fn produce_in_child(
             &n.to_string(),
             "--distinct",
             &distinct.to_string(),
+            "--turns-share",
+            &turns_share.to_string(),
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -167,7 +222,13 @@ pub fn result_fields(output: &str) -> Option<std::collections::HashMap<String, f
     )
 }
 
-fn produce(brokers: &str, topic: &str, n: u64, distinct: u64) -> Result<(f64, usize)> {
+fn produce(
+    brokers: &str,
+    topic: &str,
+    n: u64,
+    distinct: u64,
+    turns_share: f64,
+) -> Result<(f64, usize)> {
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("linger.ms", "20")
@@ -180,7 +241,7 @@ fn produce(brokers: &str, topic: &str, n: u64, distinct: u64) -> Result<(f64, us
     let mut bytes = 0;
     for i in 0..n {
         // Event i repeats event i mod distinct exactly (a redelivery).
-        let (key, payload) = bench_event(i % distinct.max(1));
+        let (key, payload) = bench_event_mixed(i % distinct.max(1), turns_share);
         bytes += payload.len();
         let mut record = BaseRecord::to(topic).key(&key).payload(&payload);
         loop {
@@ -282,14 +343,23 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     } else {
         b.distinct.min(n)
     };
+    let turns_share = b.turns_share;
+    if !(0.0..=1.0).contains(&turns_share) {
+        return Err(Error::Config {
+            problems: vec![format!(
+                "--turns-share: must be in [0, 1], got {turns_share}"
+            )],
+        });
+    }
     let (exe, brokers, t) = (b.producer.clone(), b.brokers.clone(), topic.clone());
-    let (produce_rate, avg_bytes) =
-        tokio::task::spawn_blocking(move || produce_in_child(&exe, &brokers, &t, n, distinct))
-            .await
-            .map_err(|e| Error::Internal {
-                message: e.to_string(),
-            })??;
-    out.push(format!("produced {n} click events of {avg_bytes} bytes on average into {topic} ({} partitions) at {produce_rate:.0}/s", b.partitions));
+    let (produce_rate, avg_bytes) = tokio::task::spawn_blocking(move || {
+        produce_in_child(&exe, &brokers, &t, n, distinct, turns_share)
+    })
+    .await
+    .map_err(|e| Error::Internal {
+        message: e.to_string(),
+    })??;
+    out.push(format!("produced {n} events ({:.0}% dialogue turns) of {avg_bytes} bytes on average into {topic} ({} partitions) at {produce_rate:.0}/s", turns_share * 100.0, b.partitions));
 
     let (kcat, brokers, t) = (b.kcat.clone(), b.brokers.clone(), topic.clone());
     let kcat = tokio::task::spawn_blocking(move || kcat_rate(&kcat, &brokers, &t, n))
@@ -413,6 +483,28 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         metrics.backpressure.get(),
         done.duration_since(first).as_secs_f64()
     ));
+    // Every write is one LanceDB commit (a version of its table).
+    let commits: u64 = steamrf_schemas::TableName::ALL
+        .iter()
+        .map(|t| {
+            metrics
+                .write_duration
+                .with_label_values(&[t.as_str()])
+                .get_sample_count()
+        })
+        .sum();
+    let turns = if turns_share > 0.0 {
+        let secs = done.duration_since(first).as_secs_f64();
+        Some(turn_rates(&config, n, distinct, turns_share, secs, &metrics).await?)
+    } else {
+        None
+    };
+    if let Some(t) = &turns {
+        out.push(format!(
+            "  dialogue turns: {} stored, {:.0} turns/s first record → last commit; {} texts embedded (turns and their passage windows); the embedder alone on {} of the same turn texts: {:.0} texts/s; ratio {:.3}",
+            t.turns, t.turns_per_s, t.embedded, t.sample, t.embedder_per_s, t.turns_per_s / t.embedder_per_s
+        ));
+    }
     let reasons: Vec<String> = steamrf_operators::batch::FlushReason::ALL
         .iter()
         .map(|r| {
@@ -452,8 +544,16 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
             .collect::<Vec<_>>()
             .join(" ")
     ));
+    let turn_keys = turns.map_or_else(String::new, |t| {
+        format!(
+            " turns_share={turns_share} turns_per_s={:.1} embedder_texts_per_s={:.1} turns_ratio={:.3}",
+            t.turns_per_s,
+            t.embedder_per_s,
+            t.turns_per_s / t.embedder_per_s
+        )
+    });
     out.push(format!(
-        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1}",
+        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1} commits={commits}{turn_keys}",
         steamrf.steady,
         kcat.steady,
         steamrf.steady / kcat.steady,
@@ -463,6 +563,78 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         metrics.backpressure.get()
     ));
     Ok(out)
+}
+
+/// The dialogue-turn side of `bench ingest --turns-share`.
+struct TurnRates {
+    /// Turns stored.
+    turns: u64,
+    /// Turns stored per second, first record → last commit.
+    turns_per_s: f64,
+    /// Texts the pipeline embedded (turns and passage windows).
+    embedded: u64,
+    /// Turn texts the embedder was timed on alone.
+    sample: usize,
+    /// The embedder's own rate on them, texts/s.
+    embedder_per_s: f64,
+}
+
+/// Counts the stored turns and times the embedder alone on the same turn
+/// texts (up to 4,000 of them), as the embed stage calls it: batches of the
+/// configured size, all submitted at once.
+async fn turn_rates(
+    config: &Config,
+    n: u64,
+    distinct: u64,
+    turns_share: f64,
+    secs: f64,
+    metrics: &Metrics,
+) -> Result<TurnRates> {
+    let rows = crate::sql::query(
+        &config.lancedb,
+        "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn'",
+    )
+    .await?;
+    let turns = rows
+        .first()
+        .and_then(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<arrow_array::Int64Array>()
+                .map(|a| a.value(0))
+        })
+        .unwrap_or(0) as u64;
+    let texts: Vec<String> = (0..n.min(distinct.max(1)))
+        .filter(|&i| bench_is_turn(i, turns_share))
+        .take(4000)
+        .map(bench_turn_text)
+        .collect();
+    let mut cfg = config.embed.clone();
+    cfg.engine = crate::config::EmbedEngine::Local;
+    let embedder = crate::embed::embedder(&cfg)?.ok_or_else(|| Error::Internal {
+        message: "no embedder".into(),
+    })?;
+    let err = |e: steamrf_operators::embed::EmbedError| Error::Internal {
+        message: e.to_string(),
+    };
+    embedder
+        .embed(texts.iter().take(64).cloned().collect())
+        .await
+        .map_err(err)?;
+    let t = Instant::now();
+    let calls = texts
+        .chunks(cfg.batch_size.max(1))
+        .map(|c| embedder.embed(c.to_vec()));
+    for r in futures::future::join_all(calls).await {
+        r.map_err(err)?;
+    }
+    Ok(TurnRates {
+        turns,
+        turns_per_s: turns as f64 / secs,
+        embedded: metrics.total_texts_embedded(),
+        sample: texts.len(),
+        embedder_per_s: texts.len() as f64 / t.elapsed().as_secs_f64(),
+    })
 }
 
 /// Options of `steamrf bench similarity`.

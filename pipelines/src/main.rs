@@ -325,6 +325,9 @@ struct BenchEvents {
     /// Distinct events among them (the rest repeat them exactly, so a table stops growing at this many rows while the backlog grows); 0: all distinct.
     #[arg(long, default_value_t = 0)]
     distinct: u64,
+    /// The share of events that are dialogue turns (4–48 words, embedded at ingest with their passage windows); the rest are clicks.
+    #[arg(long, default_value_t = 0.0)]
+    turns_share: f64,
 }
 
 fn main() -> ExitCode {
@@ -654,6 +657,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 slow_sink,
                 producer: std::env::current_exe().context("locating the steamrf binary")?,
                 distinct: events.distinct,
+                turns_share: events.turns_share,
             })
             .await
             .context("bench ingest")?;
@@ -667,9 +671,16 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             } else {
                 e.distinct
             };
-            let lines = bench::produce_events(&e.brokers, &topic, e.partitions, e.events, distinct)
-                .await
-                .context("bench produce")?;
+            let lines = bench::produce_events(
+                &e.brokers,
+                &topic,
+                e.partitions,
+                e.events,
+                distinct,
+                e.turns_share,
+            )
+            .await
+            .context("bench produce")?;
             Ok(print_lines(&lines))
         }
     }
