@@ -993,12 +993,26 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         super::plot::said(&plot),
         started.elapsed().as_secs_f64()
     ));
-    let mut result = format!("RESULT users={n_users}");
-    for (m, k) in [1, 5, 10].into_iter().enumerate() {
-        let (mean, lo, hi) = headline[m];
+    // The keys first: the three cutoffs, the best baseline at
+    // NDCG@10 and the paired difference to it with its 95% CI.
+    let mut result = format!(
+        "RESULT subset={} ndcg1={:.4} ndcg5={:.4} ndcg10={:.4}",
+        e.subset, headline[0].0, headline[1].0, headline[2].0
+    );
+    if let Some((best, (d, lo, hi))) = diffs.get(2) {
+        let slug = BASELINES
+            .iter()
+            .find(|b| b.0 == names[*best])
+            .map_or("?", |b| b.1);
         result.push_str(&format!(
-            " ndcg{k}={mean:.4} ndcg{k}_lo={lo:.4} ndcg{k}_hi={hi:.4}"
+            " baseline={slug} baseline_ndcg10={:.4} delta10={d:.4} delta10_ci95_low={lo:.4} delta10_ci95_high={hi:.4}",
+            stat(*best, 2)
         ));
+    }
+    result.push_str(&format!(" users={n_users}"));
+    for (m, k) in [1, 5, 10].into_iter().enumerate() {
+        let (_, lo, hi) = headline[m];
+        result.push_str(&format!(" ndcg{k}_lo={lo:.4} ndcg{k}_hi={hi:.4}"));
     }
     for ((best, (d, lo, hi)), k) in diffs.iter().zip([1, 5, 10]) {
         let slug = BASELINES
