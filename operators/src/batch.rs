@@ -14,6 +14,10 @@ pub struct BatchPolicy {
     pub max_bytes: usize,
     /// Flush when the oldest buffered record has waited this long.
     pub linger: Duration,
+    /// Flush when this many buffered records carry text to embed (dialogue
+    /// turns, items): a batch commits only once all of it is embedded, so
+    /// this bounds the time from a turn's arrival to its commit. 0: no limit.
+    pub max_texts: usize,
 }
 
 impl Default for BatchPolicy {
@@ -22,6 +26,7 @@ impl Default for BatchPolicy {
             max_rows: 100_000,
             max_bytes: 32 << 20,
             linger: Duration::from_millis(200),
+            max_texts: 256,
         }
     }
 }
@@ -39,16 +44,19 @@ pub enum FlushReason {
     Drain,
     /// A `forget` event: what came before it is written first.
     Forget,
+    /// `max_texts` reached.
+    Texts,
 }
 
 impl FlushReason {
     /// Every reason, for pre-registering metric label values.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Rows,
         Self::Bytes,
         Self::Linger,
         Self::Drain,
         Self::Forget,
+        Self::Texts,
     ];
 
     /// The metric label value.
@@ -59,6 +67,7 @@ impl FlushReason {
             Self::Linger => "linger",
             Self::Drain => "drain",
             Self::Forget => "forget",
+            Self::Texts => "texts",
         }
     }
 }
@@ -69,6 +78,7 @@ pub struct BatchTracker {
     policy: BatchPolicy,
     rows: usize,
     bytes: usize,
+    texts: usize,
     opened_at: Option<Instant>,
 }
 
@@ -79,6 +89,7 @@ impl BatchTracker {
             policy,
             rows: 0,
             bytes: 0,
+            texts: 0,
             opened_at: None,
         }
     }
@@ -91,13 +102,22 @@ impl BatchTracker {
     /// Records one more buffered record of `bytes` bytes at `now`; returns the
     /// reason to flush if a size limit is now reached.
     pub fn record(&mut self, bytes: usize, now: Instant) -> Option<FlushReason> {
+        self.record_with(bytes, false, now)
+    }
+
+    /// [`BatchTracker::record`] for a record that does (`text`) or does not
+    /// carry text to embed.
+    pub fn record_with(&mut self, bytes: usize, text: bool, now: Instant) -> Option<FlushReason> {
         self.opened_at.get_or_insert(now);
         self.rows += 1;
         self.bytes = self.bytes.saturating_add(bytes);
+        self.texts += usize::from(text);
         if self.rows >= self.policy.max_rows {
             Some(FlushReason::Rows)
         } else if self.bytes >= self.policy.max_bytes {
             Some(FlushReason::Bytes)
+        } else if self.policy.max_texts > 0 && self.texts >= self.policy.max_texts {
+            Some(FlushReason::Texts)
         } else {
             None
         }
@@ -133,6 +153,7 @@ impl BatchTracker {
         let out = (self.rows, self.bytes);
         self.rows = 0;
         self.bytes = 0;
+        self.texts = 0;
         self.opened_at = None;
         out
     }
@@ -147,6 +168,27 @@ mod tests {
             max_rows: rows,
             max_bytes: bytes,
             linger: Duration::from_millis(linger_ms),
+            max_texts: 0,
+        }
+    }
+
+    #[test]
+    fn flushes_on_texts_to_embed_and_counts_them_per_batch() {
+        let mut t = BatchTracker::new(BatchPolicy {
+            max_texts: 2,
+            ..policy(1000, 1 << 20, 1000)
+        });
+        let now = Instant::now();
+        assert_eq!(t.record(10, now), None, "a click carries no text");
+        assert_eq!(t.record_with(10, true, now), None);
+        assert_eq!(t.record(10, now), None);
+        assert_eq!(t.record_with(10, true, now), Some(FlushReason::Texts));
+        t.take();
+        assert_eq!(t.record_with(10, true, now), None, "the count restarts");
+        // 0: no limit.
+        let mut t = BatchTracker::new(policy(1000, 1 << 20, 1000));
+        for _ in 0..100 {
+            assert_eq!(t.record_with(1, true, now), None);
         }
     }
 

@@ -403,6 +403,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     ));
     let received = metrics.records_received.with_label_values(&[&topic]);
     let mut first = None;
+    let mut first_commit: Option<Instant> = None;
     let mut deciles: Vec<u64> = Vec::with_capacity(10);
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
@@ -419,6 +420,9 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
             reset_peak_rss();
         }
         let committed = metrics.records_committed.get();
+        if committed > 0 && first_commit.is_none() {
+            first_commit = Some(Instant::now());
+        }
         // The peak so far at each tenth of the backlog: flat if memory
         // does not grow with what was drained.
         while first.is_some()
@@ -505,6 +509,10 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
             t.turns, t.turns_per_s, t.embedded, t.sample, t.embedder_per_s, t.turns_per_s / t.embedder_per_s
         ));
     }
+    let first_commit_s = first_commit.map_or(f64::NAN, |c| c.duration_since(first).as_secs_f64());
+    out.push(format!(
+        "  first commit {first_commit_s:.1} s after the first record"
+    ));
     let reasons: Vec<String> = steamrf_operators::batch::FlushReason::ALL
         .iter()
         .map(|r| {
@@ -553,7 +561,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         )
     });
     out.push(format!(
-        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1} commits={commits}{turn_keys}",
+        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1} commits={commits} first_commit_s={first_commit_s:.1}{turn_keys}",
         steamrf.steady,
         kcat.steady,
         steamrf.steady / kcat.steady,

@@ -416,6 +416,8 @@ pub struct BatchConfig {
     /// Flush when the oldest record has waited this long.
     #[serde(with = "humantime_serde_compat")]
     pub linger: Duration,
+    /// Flush at this many records with text to embed (0: no limit).
+    pub max_texts: usize,
     /// Batches queued between consumer and writer.
     pub queue_batches: usize,
     /// Return freed heap pages to the OS after each written batch.
@@ -429,6 +431,7 @@ impl BatchConfig {
             max_rows: self.max_rows,
             max_bytes: self.max_bytes.0,
             linger: self.linger,
+            max_texts: self.max_texts,
         }
     }
 }

@@ -208,11 +208,16 @@ async fn run_inner(
     tracing::info!(topics = ?config.kafka.topics, group = %config.kafka.group_id, uri = %config.lancedb.uri, "Pipeline started.");
 
     let (tx, mut rx) = mpsc::channel::<SourceBatch>(config.batch.queue_batches);
+    let mut policy = config.batch.policy();
+    if config.embed.engine == crate::config::EmbedEngine::Off {
+        // Nothing is embedded: texts cost no more than clicks.
+        policy.max_texts = 0;
+    }
     let source_loop = SourceLoop {
         consumer: consumer.clone(),
         producer,
         config: config.kafka.clone(),
-        tracker: BatchTracker::new(config.batch.policy()),
+        tracker: BatchTracker::new(policy),
         metrics: metrics.clone(),
         stop: stop.clone(),
         exit_when_idle: opts.exit_when_idle,

@@ -545,8 +545,16 @@ impl SourceLoop {
                         .entry((topic_idx, msg.partition()))
                         .or_insert(0);
                     *slot = (*slot).max(msg.offset() + 1);
+                    let mut text = false;
                     let size = match decoded {
                         Ok(event) => {
+                            text = match &event {
+                                Event::Interaction(i) => {
+                                    i.kind == steamrf_schemas::InteractionKind::DialogueTurn
+                                }
+                                Event::Item(_) => true,
+                                _ => false,
+                            };
                             pending.builders.append(
                                 &event,
                                 Provenance {
@@ -563,7 +571,7 @@ impl SourceLoop {
                             payload.len()
                         }
                     };
-                    if let Some(reason) = self.tracker.record(size, now) {
+                    if let Some(reason) = self.tracker.record_with(size, text, now) {
                         self.flush(&mut pending, opened_at, reason, tx)?;
                         // Time blocked on a busy writer is not idle time.
                         last_record = Instant::now();
