@@ -110,7 +110,7 @@ enum EvalCmd {
         #[arg(long)]
         data: PathBuf,
         /// cds-dense, cds-sparse, ml100k-catalogue (negatives from the whole catalogue), ml100k-users (from the sampled users' items), ml100k-paper (the STEAM paper's sample: 5 history ratings and the target per user, learned from alone).
-        #[arg(long, default_value = "cds-dense", value_parser = ["cds-dense", "cds-sparse", "dense", "sparse", "ml100k-catalogue", "ml100k-users", "ml100k-paper"])]
+        #[arg(long, default_value = "cds-dense", value_parser = ["cds-dense", "cds-sparse", "cds-dense-valid", "cds-sparse-valid", "dense", "sparse", "ml100k-catalogue", "ml100k-users", "ml100k-paper"])]
         subset: String,
         /// Candidate shuffle seeds (comma-separated).
         #[arg(long, default_value = "1,2,3", value_delimiter = ',')]

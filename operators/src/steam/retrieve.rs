@@ -39,6 +39,11 @@ pub trait MemoryView {
     fn prototype(&self, c: MemoryId) -> Option<&Prototype>;
     /// A memory by id.
     fn memory(&self, id: MemoryId) -> Option<&Memory>;
+    /// An item's unit embedding, where the view has the catalogue (for
+    /// [`RecommendParams::item_weight`]); `None` by default.
+    fn item_vector(&self, _item: &str) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl MemoryView for SteamState {
@@ -70,6 +75,11 @@ pub struct RecommendParams {
     pub collab_weight: f32,
     /// γ: weight of collaborative users having interacted with the candidate.
     pub seen_weight: f32,
+    /// w: how much of local(c) is the best single item behind the matched
+    /// memory rather than the memory's centroid:
+    /// `(1 − w) · cos(c, centroid) + w · max over its items cos(c, item)`,
+    /// over the items the view has vectors for. 0 is the paper's centroid.
+    pub item_weight: f32,
 }
 
 impl Default for RecommendParams {
@@ -80,6 +90,7 @@ impl Default for RecommendParams {
             k_collab: 5,
             collab_weight: 0.5,
             seen_weight: 0.3,
+            item_weight: 0.0,
         }
     }
 }
@@ -341,7 +352,9 @@ fn recommend_batched(
             local: Vec::new(),
             collaborative: std::mem::take(&mut collab[i]),
         };
-        let local_score = l.map_or(0.0, |&(_, s)| s);
+        let local_score = l.map_or(0.0, |&(m, s)| {
+            per_item(view, &user.memories[m], &candidates[i].1, s, p.item_weight)
+        });
         let ranked = rank(
             view,
             item,
@@ -355,6 +368,24 @@ fn recommend_batched(
     }
     out.sort_by(|a, b| b.1.score.total_cmp(&a.1.score).then(a.0.cmp(&b.0)));
     Ok(out.into_iter().map(|(_, r)| r).collect())
+}
+
+/// local(c) with [`RecommendParams::item_weight`] of the best item behind
+/// memory `m` mixed into its centroid score.
+fn per_item(view: &impl MemoryView, m: &Memory, c: &[f32], centroid: f32, w: f32) -> f32 {
+    if w == 0.0 {
+        return centroid;
+    }
+    let best = m
+        .items
+        .iter()
+        .filter_map(|i| view.item_vector(i))
+        .map(|v| dot(c, v))
+        .fold(None, |b: Option<f32>, s| Some(b.map_or(s, |b| b.max(s))));
+    match best {
+        Some(b) => (1.0 - w) * centroid + w * b,
+        None => centroid,
+    }
 }
 
 /// [`Ranked`] from a candidate's local score and collaborative hits.
@@ -411,7 +442,13 @@ pub fn recommend_each(
     let mut out: Vec<(usize, Ranked)> = Vec::with_capacity(candidates.len());
     for (i, (item, e)) in candidates.iter().enumerate() {
         let r = retrieve(view, user_id, e, p);
-        let local = r.local.first().map_or(0.0, |h| h.score);
+        let local = r
+            .local
+            .first()
+            .map_or(0.0, |h| match view.memory(h.memory_id) {
+                Some(m) => per_item(view, m, e, h.score, p.item_weight),
+                None => h.score,
+            });
         let memory_id = r.local.first().map(|h| h.memory_id);
         let ranked = rank(view, item, local, memory_id, &r, p, &mut items_of);
         out.push((i, ranked));

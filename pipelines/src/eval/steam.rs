@@ -29,7 +29,9 @@ use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::steam::memory::{EvolveParams, Observation};
-use steamrf_operators::steam::retrieve::RecommendParams;
+use steamrf_operators::steam::memory::{Memory, UserMemories};
+use steamrf_operators::steam::retrieve::{MemoryView, RecommendParams, recommend};
+use steamrf_operators::steam::{MemoryId, Prototype};
 use steamrf_operators::steam::{SteamParams, SteamState};
 use steamrf_schemas::{Event, decode};
 
@@ -83,6 +85,25 @@ pub(super) fn bad(what: String) -> Error {
 /// the 100 dense users have history items there), and the nine are made up
 /// with items of the sample's `.random` pool drawn with a seed per user.
 pub(super) fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
+    users_of_split(dir, name, "test")
+}
+
+/// [`users`] from `{name}.{split}.inter`: `valid` predicts the 7th item from
+/// the first 6 (AgentCF's validation split, where anything is tuned); its
+/// negatives also avoid the user's test target.
+pub(super) fn users_of_split(dir: &Path, name: &str, split: &str) -> Result<Vec<User>> {
+    let later: HashMap<String, String> = if split == "test" {
+        HashMap::new()
+    } else {
+        read(&dir.join(format!("{name}.test.inter")))?
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split('\t').collect();
+                Some((f.first()?.to_string(), f.get(2)?.to_string()))
+            })
+            .collect()
+    };
     let random: HashMap<String, Vec<String>> = read(&dir.join(format!("{name}.random")))?
         .lines()
         .filter_map(|l| {
@@ -104,17 +125,20 @@ pub(super) fn users(dir: &Path, name: &str) -> Result<Vec<User>> {
         .into_iter()
         .collect();
     let mut out = Vec::new();
-    for l in read(&dir.join(format!("{name}.test.inter")))?
+    for l in read(&dir.join(format!("{name}.{split}.inter")))?
         .lines()
         .skip(1)
     {
         let f: Vec<&str> = l.split('\t').collect();
         let [u, hist, target] = f[..] else {
-            return Err(bad(format!("bad test.inter line {l:?}")));
+            return Err(bad(format!("bad {split}.inter line {l:?}")));
         };
         let history: Vec<String> = hist.split_whitespace().map(str::to_owned).collect();
         let mut seen: HashSet<&str> = history.iter().map(String::as_str).collect();
         seen.insert(target);
+        if let Some(t) = later.get(u) {
+            seen.insert(t);
+        }
         let mut negatives: Vec<String> = Vec::with_capacity(9);
         for i in random
             .get(u)
@@ -237,7 +261,32 @@ impl Bm25 {
 
 pub(super) type Items = HashMap<String, (String, String, Vec<f32>)>;
 
-/// Ranks by the STEAM state's `recommend`.
+/// The STEAM state with the evaluation's catalogue, as the service's view
+/// has the items table: what `RecommendParams::item_weight` reads.
+pub(super) struct Catalogued<'a> {
+    pub(super) state: &'a SteamState,
+    pub(super) items: &'a Items,
+}
+
+impl MemoryView for Catalogued<'_> {
+    fn user(&self, user_id: &str) -> Option<&UserMemories> {
+        self.state.user(user_id)
+    }
+    fn community_of(&self, m: MemoryId) -> Option<MemoryId> {
+        MemoryView::community_of(self.state, m)
+    }
+    fn prototype(&self, c: MemoryId) -> Option<&Prototype> {
+        self.state.prototype(c)
+    }
+    fn memory(&self, id: MemoryId) -> Option<&Memory> {
+        self.state.memory(id)
+    }
+    fn item_vector(&self, item: &str) -> Option<&[f32]> {
+        self.items.get(item).map(|(_, _, e)| e.as_slice())
+    }
+}
+
+/// Ranks by `recommend` over the STEAM state and the catalogue.
 pub(super) fn steam_ranker<'a>(
     state: &'a SteamState,
     items: &'a Items,
@@ -248,7 +297,8 @@ pub(super) fn steam_ranker<'a>(
             .iter()
             .filter_map(|i| items.get(i).map(|(_, _, e)| (i.clone(), e.clone())))
             .collect();
-        let ranked = state.recommend(&u.id, &c, &p);
+        let view = Catalogued { state, items };
+        let ranked = recommend(&view, &u.id, &c, &p);
         let score: HashMap<&str, f64> = ranked
             .iter()
             .map(|r| (r.item_id.as_str(), f64::from(r.score)))
@@ -586,6 +636,28 @@ pub(super) fn rankers<'a>(
         ("steamrf w/o MC", steam_ranker(&states[1], items, rec)),
         ("steamrf w/o AMU", steam_ranker(&states[2], items, rec)),
         (
+            "steamrf per-item w=0.5",
+            steam_ranker(
+                &states[0],
+                items,
+                RecommendParams {
+                    item_weight: 0.5,
+                    ..rec
+                },
+            ),
+        ),
+        (
+            "steamrf per-item w=1",
+            steam_ranker(
+                &states[0],
+                items,
+                RecommendParams {
+                    item_weight: 1.0,
+                    ..rec
+                },
+            ),
+        ),
+        (
             "random",
             Box::new(move |u: &User, c: &[String]| {
                 c.iter().map(|i| noise(seed, &u.id, i)).collect()
@@ -815,10 +887,14 @@ const BASELINES: [(&str, &str); 3] = [
 async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let started = Instant::now();
     let (catalogue, samples) = match e.subset.as_str() {
-        "dense" | "sparse" | "cds-dense" | "cds-sparse" => {
-            let sub = e.subset.trim_start_matches("cds-");
+        "dense" | "sparse" | "cds-dense" | "cds-sparse" | "cds-dense-valid"
+        | "cds-sparse-valid" => {
+            let (sub, split) = match e.subset.trim_start_matches("cds-").split_once('-') {
+                Some((sub, _)) => (sub, "valid"),
+                None => (e.subset.trim_start_matches("cds-"), "test"),
+            };
             let name = format!("CDs-100-user-{sub}");
-            let users = users(&e.data.join(&name), &name)?;
+            let users = users_of_split(&e.data.join(&name), &name, split)?;
             let train: Vec<(String, String)> = users
                 .iter()
                 .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))

@@ -249,6 +249,9 @@ impl MemoryView for View {
             .find(|m| m.id == id)
             .or_else(|| self.members.iter().find_map(|g| g.memories.get(&id)))
     }
+    fn item_vector(&self, item: &str) -> Option<&[f32]> {
+        self.snap.items.get(item).map(|i| i.embedding.as_slice())
+    }
 }
 
 /// Where the cache reads from on a miss: the tables ([`Tables`]), or a fixed
