@@ -624,4 +624,50 @@ mod tests {
             "the collaborative term was exercised: {compared}"
         );
     }
+
+    /// With `item_weight` 1 the local score is the best item behind the
+    /// matched memory, read from the view's catalogue; without a catalogue
+    /// it stays the centroid's.
+    #[test]
+    fn item_weight_scores_by_the_best_item_behind_the_memory() {
+        struct WithItems<'a>(&'a SteamState, Vec<(String, Vec<f32>)>);
+        impl MemoryView for WithItems<'_> {
+            fn user(&self, u: &str) -> Option<&UserMemories> {
+                self.0.user(u)
+            }
+            fn community_of(&self, m: MemoryId) -> Option<MemoryId> {
+                MemoryView::community_of(self.0, m)
+            }
+            fn prototype(&self, c: MemoryId) -> Option<&Prototype> {
+                self.0.prototype(c)
+            }
+            fn memory(&self, id: MemoryId) -> Option<&Memory> {
+                self.0.memory(id)
+            }
+            fn item_vector(&self, item: &str) -> Option<&[f32]> {
+                self.1
+                    .iter()
+                    .find(|(i, _)| i == item)
+                    .map(|(_, v)| v.as_slice())
+            }
+        }
+        let s = state();
+        let view = WithItems(&s, vec![("blue-train".into(), vec![1.0, 0.0, 0.0])]);
+        let cand = vec![("c".to_owned(), vec![1.0, 0.0, 0.0])];
+        let p = RecommendParams {
+            item_weight: 1.0,
+            collab_weight: 0.0,
+            seen_weight: 0.0,
+            ..RecommendParams::default()
+        };
+        let r = recommend(&view, "ann", &cand, &p);
+        assert!((r[0].local - 1.0).abs() < 1e-6, "{r:?}");
+        let centroid = recommend(&s, "ann", &cand, &p);
+        assert!(centroid[0].local < 0.999, "{centroid:?}");
+        assert_eq!(
+            recommend_each(&view, "ann", &cand, &p)[0].local,
+            r[0].local,
+            "both paths"
+        );
+    }
 }

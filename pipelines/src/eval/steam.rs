@@ -1167,6 +1167,38 @@ mod tests {
     }
 
     #[test]
+    fn the_validation_split_predicts_the_seventh_and_avoids_the_test_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = "CDs-100-user-dense";
+        let header = "user_id:token\titem_id_list:token_seq\titem_id:token\n";
+        std::fs::write(
+            dir.path().join(format!("{name}.test.inter")),
+            format!("{header}u1\t1 2 3\t10\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join(format!("{name}.valid.inter")),
+            format!("{header}u1\t1 2\t3\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join(format!("{name}.random")),
+            "u1\t3 10 11 12 13 14 15 16 17 18 19 20\n",
+        )
+        .unwrap();
+        let u = users_of_split(dir.path(), name, "valid").unwrap();
+        assert_eq!(
+            (u[0].history.as_slice(), u[0].target.as_str()),
+            (&["1".to_owned(), "2".to_owned()][..], "3")
+        );
+        assert_eq!(
+            u[0].negatives,
+            ["11", "12", "13", "14", "15", "16", "17", "18", "19"],
+            "neither the target nor the later test item"
+        );
+    }
+
+    #[test]
     fn negatives_the_user_interacted_with_are_redrawn() {
         let dir = tempfile::tempdir().unwrap();
         let name = "CDs-100-user-dense";
