@@ -2,8 +2,9 @@
 //! column of dialogue turns and of new item versions.
 //!
 //! - Clicks and purchases are never embedded.
-//! - A dialogue turn already stored (a replay) is not embedded again; the
-//!   write would skip it anyway.
+//! - A dialogue turn already stored (a replay) is not embedded again: it
+//!   gets the vector stored the first time, so that the STEAM stage, which
+//!   runs after the write, observes it as it would have then.
 //! - An item is embedded once per version: rows that are not newer than the
 //!   stored item by `(timestamp, event_id)` are dropped from the batch before
 //!   embedding (the write would not apply them).
@@ -295,18 +296,39 @@ impl EmbedStage {
         let keys: Vec<&str> = turns.iter().map(|&r| ids.value(r)).collect();
         let stored = sink.stored_versions(TableName::Interactions, &keys).await?;
         let mut seen = std::collections::HashSet::new();
-        let rows: Vec<usize> = turns
+        let (replayed, rows): (Vec<usize>, Vec<usize>) = turns
             .into_iter()
-            .filter(|&r| !stored.contains_key(ids.value(r)) && seen.insert(ids.value(r)))
-            .collect();
+            .filter(|&r| seen.insert(ids.value(r)))
+            .partition(|&r| stored.contains_key(ids.value(r)));
         self.metrics
             .embed_skipped
             .with_label_values(&["dialogue_turn"])
             .inc_by((keys.len() - rows.len()) as u64);
+        // A replayed turn (a crash after the write, before the commit) keeps
+        // the vector stored the first time: the STEAM stage, which runs after
+        // the write, must still observe it.
+        let texts: Vec<String> = rows.iter().map(|&r| text.value(r).to_owned()).collect();
+        let replayed: Vec<(usize, String)> = replayed
+            .into_iter()
+            .map(|r| (r, ids.value(r).to_owned()))
+            .collect();
+        let batch = if replayed.is_empty() {
+            batch
+        } else {
+            let keys: Vec<&str> = replayed.iter().map(|(_, id)| id.as_str()).collect();
+            let vectors = sink.stored_vectors(&keys).await?;
+            let (mut at, mut flat) = (Vec::new(), Vec::new());
+            for (r, id) in &replayed {
+                if let Some(v) = vectors.get(id) {
+                    at.push(*r);
+                    flat.extend_from_slice(v);
+                }
+            }
+            with_embeddings(&batch, &at, &flat)?
+        };
         if rows.is_empty() {
             return Ok(batch);
         }
-        let texts = rows.iter().map(|&r| text.value(r).to_owned()).collect();
         let out = self.run("dialogue_turn", texts).await?;
         let (accepted, refused) = out.by_row(&rows);
         let batch = with_embeddings(&batch, &accepted, &out.vectors)?;

@@ -466,6 +466,61 @@ impl LanceSink {
         Ok(out)
     }
 
+    /// The stored `embedding` of each of `keys` in `interactions` that has
+    /// one (keys absent, or stored without a vector, are absent from the map).
+    ///
+    /// A replayed batch carries the vectors its first attempt stored, so the
+    /// STEAM stage observes a replayed turn as it would have the first time.
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if the query fails.
+    pub async fn stored_vectors(&self, keys: &[&str]) -> Result<HashMap<String, Vec<f32>>> {
+        use arrow_array::Array;
+        use futures::TryStreamExt;
+        use lancedb::query::{ExecutableQuery, QueryBase, Select};
+
+        let mut out = HashMap::new();
+        for chunk in keys.chunks(1000) {
+            let list = chunk
+                .iter()
+                .map(|k| format!("'{}'", k.replace('\'', "''")))
+                .collect::<Vec<_>>()
+                .join(",");
+            let batches: Vec<RecordBatch> = self
+                .table(TableName::Interactions)
+                .query()
+                .only_if(format!("event_id IN ({list}) AND embedding IS NOT NULL"))
+                .select(Select::columns(&["event_id", "embedding"]))
+                .execute()
+                .await
+                .map_err(Error::lance("looking up stored vectors"))?
+                .try_collect()
+                .await
+                .map_err(Error::lance("looking up stored vectors"))?;
+            for b in batches {
+                let (Some(ev), Some(emb)) =
+                    (b.column_by_name("event_id"), b.column_by_name("embedding"))
+                else {
+                    continue;
+                };
+                let ev = ev.as_string::<i32>();
+                let emb = emb.as_fixed_size_list();
+                for i in 0..b.num_rows() {
+                    if emb.is_valid(i) {
+                        let v = emb.value(i);
+                        out.insert(
+                            ev.value(i).to_owned(),
+                            v.as_primitive::<arrow_array::types::Float32Type>()
+                                .values()
+                                .to_vec(),
+                        );
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The stored dialogue turns of `sessions` (user, session):
     /// `(user, session, timestamp, event_id, "role: text")`, unordered.
     /// One query per 500 sessions, through the `user_id` index.

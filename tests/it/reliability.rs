@@ -659,6 +659,47 @@ fn stress_events(topic: &str, file: &Path, users: usize, clicks: usize) -> (usiz
     (lines.len(), interactions)
 }
 
+/// A batch replayed after its rows were written (a crash before the commit,
+/// or STEAM switched on over existing tables) is still remembered: its
+/// dialogue turns are not embedded again but carry the vectors stored the
+/// first time, so the STEAM stage observes every click and user turn.
+#[test]
+fn replayed_turns_already_stored_are_still_remembered() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-replay-steam");
+    let dlq = format!("{topic}-dlq");
+    let file = dir.path().join("events.jsonl");
+    let (records, observed) = stress_events(&topic, &file, 8, 5);
+    produce_all(&topic, 1, &file);
+    let first = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-plain"),
+        dlq: &dlq,
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    // Every row written, no memories.
+    first.run_to_idle("");
+    let uri = first.lancedb_uri();
+    assert_eq!(
+        sql_count(&uri, "SELECT count(*) AS n FROM interactions"),
+        (records - 24) as i64
+    );
+    // The same events again, from the start, with STEAM on: every row is
+    // already stored.
+    let again = PipelineConfig {
+        group: &format!("{topic}-steam"),
+        ..first
+    };
+    again.run_to_idle("[steam]\nenabled = true\n");
+    let (_, linked) = assert_consistent(&uri);
+    assert_eq!(
+        linked, observed as i64,
+        "every click and user turn of the replay in one memory"
+    );
+}
+
 /// After any crash: no interaction twice, each observed interaction in
 /// exactly one memory, no link to a missing memory, no prototype member
 /// missing. Returns (interactions, memories' interaction count).
