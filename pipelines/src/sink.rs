@@ -270,6 +270,49 @@ struct TableState {
     unindexed: AtomicU64,
 }
 
+/// The rows of `table` whose `key` is one of `keys` (and that match `also`),
+/// `columns` only: `key IN (...)` in chunks of 1,000 literals, through the
+/// key's BTree index where it has one.
+///
+/// # Errors
+/// [`Error::Lance`] if a query fails.
+pub(crate) async fn lookup(
+    table: &Table,
+    key: &str,
+    keys: &[&str],
+    columns: &[&str],
+    also: Option<&str>,
+) -> Result<Vec<RecordBatch>> {
+    use futures::TryStreamExt;
+    use lancedb::query::{ExecutableQuery, QueryBase, Select};
+
+    let mut out = Vec::new();
+    for chunk in keys.chunks(1000) {
+        let list = chunk
+            .iter()
+            .map(|k| crate::forget::quoted(k))
+            .collect::<Vec<_>>()
+            .join(",");
+        let filter = match also {
+            Some(a) => format!("{key} IN ({list}) AND {a}"),
+            None => format!("{key} IN ({list})"),
+        };
+        let what = || format!("looking up {key}s in {}", table.name());
+        let batches: Vec<RecordBatch> = table
+            .query()
+            .only_if(filter)
+            .select(Select::columns(columns))
+            .execute()
+            .await
+            .map_err(Error::lance(what()))?
+            .try_collect()
+            .await
+            .map_err(Error::lance(what()))?;
+        out.extend(batches);
+    }
+    Ok(out)
+}
+
 /// Writes micro-batches into the three ingest tables.
 ///
 /// Each table carries a BTree index on its key, so that `merge_insert` looks
@@ -419,48 +462,27 @@ impl LanceSink {
         name: TableName,
         keys: &[&str],
     ) -> Result<HashMap<String, (i64, String)>> {
-        use futures::TryStreamExt;
-        use lancedb::query::{ExecutableQuery, QueryBase, Select};
-
         let mut out = HashMap::new();
         let key = name.key();
         let mut columns = vec![key, "timestamp"];
         if key != "event_id" {
             columns.push("event_id");
         }
-        for chunk in keys.chunks(1000) {
-            let list = chunk
-                .iter()
-                .map(|k| format!("'{}'", k.replace('\'', "''")))
-                .collect::<Vec<_>>()
-                .join(",");
-            let batches: Vec<RecordBatch> = self
-                .table(name)
-                .query()
-                .only_if(format!("{key} IN ({list})"))
-                .select(Select::columns(&columns))
-                .execute()
-                .await
-                .map_err(Error::lance(format!("looking up {key}s")))?
-                .try_collect()
-                .await
-                .map_err(Error::lance(format!("looking up {key}s")))?;
-            for b in batches {
-                let (Some(k), Some(ts), Some(ev)) = (
-                    b.column_by_name(key),
-                    b.column_by_name("timestamp"),
-                    b.column_by_name("event_id"),
-                ) else {
-                    continue;
-                };
-                let (k, ts, ev) = (
-                    k.as_string::<i32>(),
-                    ts.as_primitive::<TimestampMillisecondType>(),
-                    ev.as_string::<i32>(),
-                );
-                for i in 0..b.num_rows() {
-                    out.insert(k.value(i).to_owned(), (ts.value(i), ev.value(i).to_owned()));
-                }
+        for b in lookup(self.table(name), key, keys, &columns, None).await? {
+            let (Some(k), Some(ts), Some(ev)) = (
+                b.column_by_name(key),
+                b.column_by_name("timestamp"),
+                b.column_by_name("event_id"),
+            ) else {
+                continue;
+            };
+            let (k, ts, ev) = (
+                k.as_string::<i32>(),
+                ts.as_primitive::<TimestampMillisecondType>(),
+                ev.as_string::<i32>(),
+            );
+            for i in 0..b.num_rows() {
+                out.insert(k.value(i).to_owned(), (ts.value(i), ev.value(i).to_owned()));
             }
         }
         Ok(out)
@@ -476,46 +498,33 @@ impl LanceSink {
     /// [`Error::Lance`] if the query fails.
     pub async fn stored_vectors(&self, keys: &[&str]) -> Result<HashMap<String, Vec<f32>>> {
         use arrow_array::Array;
-        use futures::TryStreamExt;
-        use lancedb::query::{ExecutableQuery, QueryBase, Select};
 
         let mut out = HashMap::new();
-        for chunk in keys.chunks(1000) {
-            let list = chunk
-                .iter()
-                .map(|k| format!("'{}'", k.replace('\'', "''")))
-                .collect::<Vec<_>>()
-                .join(",");
-            let batches: Vec<RecordBatch> = self
-                .table(TableName::Interactions)
-                .query()
-                .only_if(format!("event_id IN ({list}) AND embedding IS NOT NULL"))
-                .select(Select::columns(&["event_id", "embedding"]))
-                .execute()
-                .await
-                .map_err(Error::lance("looking up stored vectors"))?
-                .try_collect()
-                .await
-                .map_err(Error::lance("looking up stored vectors"))?;
-            for b in batches {
-                let (Some(ev), Some(emb)) =
-                    (b.column_by_name("event_id"), b.column_by_name("embedding"))
-                else {
-                    continue;
-                };
-                let ev = ev.as_string::<i32>();
-                let emb = emb.as_fixed_size_list();
-                for i in 0..b.num_rows() {
-                    if emb.is_valid(i) {
-                        let v = emb.value(i);
-                        out.insert(
-                            ev.value(i).to_owned(),
-                            v.as_primitive::<arrow_array::types::Float32Type>()
-                                .values()
-                                .to_vec(),
-                        );
-                    }
-                }
+        let table = self.table(TableName::Interactions);
+        let columns = ["event_id", "embedding"];
+        for b in lookup(
+            table,
+            "event_id",
+            keys,
+            &columns,
+            Some("embedding IS NOT NULL"),
+        )
+        .await?
+        {
+            let (Some(ev), Some(emb)) =
+                (b.column_by_name("event_id"), b.column_by_name("embedding"))
+            else {
+                continue;
+            };
+            let (ev, emb) = (ev.as_string::<i32>(), emb.as_fixed_size_list());
+            for i in (0..b.num_rows()).filter(|&i| emb.is_valid(i)) {
+                let v = emb.value(i);
+                out.insert(
+                    ev.value(i).to_owned(),
+                    v.as_primitive::<arrow_array::types::Float32Type>()
+                        .values()
+                        .to_vec(),
+                );
             }
         }
         Ok(out)

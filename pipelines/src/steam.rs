@@ -407,25 +407,8 @@ impl SteamStage {
             .checkout_latest()
             .await
             .map_err(Error::lance("refreshing items"))?;
-        let mut found = Vec::new();
-        for chunk in unknown.chunks(1000) {
-            let list = chunk
-                .iter()
-                .map(|k| format!("'{}'", k.replace('\'', "''")))
-                .collect::<Vec<_>>()
-                .join(",");
-            let batches: Vec<RecordBatch> = items
-                .query()
-                .only_if(format!("item_id IN ({list})"))
-                .select(Select::columns(ITEM_COLUMNS))
-                .execute()
-                .await
-                .map_err(Error::lance("looking up items"))?
-                .try_collect()
-                .await
-                .map_err(Error::lance("looking up items"))?;
-            found.extend(batches);
-        }
+        let keys: Vec<&str> = unknown.iter().map(String::as_str).collect();
+        let found = crate::sink::lookup(items, "item_id", &keys, ITEM_COLUMNS, None).await?;
         let before = self.items.len();
         for f in &found {
             self.remember_items(f);
