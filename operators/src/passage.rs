@@ -292,6 +292,11 @@ impl PassageIndex {
         self.lexical.is_some()
     }
 
+    /// Whether either store is searched approximately (an IVF).
+    pub fn is_approximate(&self) -> bool {
+        self.rows.is_approximate() || self.windows.is_approximate()
+    }
+
     /// Approximate heap bytes of the owner map and the lexical index (the
     /// stores are counted by their owner).
     pub fn bytes(&self) -> usize {

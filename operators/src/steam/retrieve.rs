@@ -348,10 +348,6 @@ fn recommend_batched(
     let mut out: Vec<(usize, Ranked)> = Vec::with_capacity(candidates.len());
     for (i, (item, _)) in candidates.iter().enumerate() {
         let l = local[i].first();
-        let r = Retrieved {
-            local: Vec::new(),
-            collaborative: std::mem::take(&mut collab[i]),
-        };
         let local_score = l.map_or(0.0, |&(m, s)| {
             per_item(view, &user.memories[m], &candidates[i].1, s, p.item_weight)
         });
@@ -360,7 +356,7 @@ fn recommend_batched(
             item,
             local_score,
             l.map(|&(m, _)| user.memories[m].id),
-            &r,
+            &collab[i],
             p,
             &mut items_of,
         );
@@ -394,16 +390,15 @@ fn rank<'a>(
     item: &str,
     local: f32,
     memory_id: Option<MemoryId>,
-    r: &Retrieved,
+    collaborative: &[Hit],
     p: &RecommendParams,
     items_of: &mut HashMap<MemoryId, HashSet<&'a str>>,
 ) -> Ranked {
-    let collab = r.collaborative.first().map_or(0.0, |h| h.score);
-    let seen = if r.collaborative.is_empty() {
+    let collab = collaborative.first().map_or(0.0, |h| h.score);
+    let seen = if collaborative.is_empty() {
         0.0
     } else {
-        let n = r
-            .collaborative
+        let n = collaborative
             .iter()
             .filter(|h| {
                 items_of
@@ -416,7 +411,7 @@ fn rank<'a>(
                     .contains(item)
             })
             .count();
-        n as f32 / r.collaborative.len() as f32
+        n as f32 / collaborative.len() as f32
     };
     Ranked {
         item_id: item.to_owned(),
@@ -450,7 +445,15 @@ pub fn recommend_each(
                 None => h.score,
             });
         let memory_id = r.local.first().map(|h| h.memory_id);
-        let ranked = rank(view, item, local, memory_id, &r, p, &mut items_of);
+        let ranked = rank(
+            view,
+            item,
+            local,
+            memory_id,
+            &r.collaborative,
+            p,
+            &mut items_of,
+        );
         out.push((i, ranked));
     }
     out.sort_by(|a, b| b.1.score.total_cmp(&a.1.score).then(a.0.cmp(&b.0)));

@@ -301,7 +301,6 @@ fn hybrid(
     )
     .map_err(internal)?;
     let built = t.elapsed();
-    let approximate = index.rows().is_approximate() || n * windows >= cfg.ivf_min_windows;
     // The exact reference: both stores scanned flat.
     let exact = PassageIndex::new(
         vector_store(&cfg, rows.to_vec(), usize::MAX)?,
@@ -371,7 +370,11 @@ fn hybrid(
         p99,
         exact_p50: e50,
         exact_p99: e99,
-        store: if approximate { "ivf" } else { "exact" },
+        store: if index.is_approximate() {
+            "ivf"
+        } else {
+            "exact"
+        },
         recall: recall(0),
         recall_unfamiliar: recall(1),
         note: format!(

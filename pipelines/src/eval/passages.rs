@@ -240,49 +240,33 @@ pub(super) async fn build(
             for x in wv.vectors[w_at * dim..(w_at + n) * dim].chunks_exact(dim) {
                 m.iter_mut().zip(x).for_each(|(a, b)| *a += b);
             }
-            if n == 0 {
-                m.copy_from_slice(&item_vecs[i * dim..(i + 1) * dim]);
-            }
-            normalize(&mut m);
-            window_means.extend(m);
             wins.extend_from_slice(&wv.vectors[w_at * dim..(w_at + n) * dim]);
             owner.extend(std::iter::repeat_n(i as u32, n));
             if n == 0 {
                 // As the service does: a row without windows is its own one.
-                wins.extend_from_slice(&item_vecs[i * dim..(i + 1) * dim]);
+                let item = &item_vecs[i * dim..(i + 1) * dim];
+                m.copy_from_slice(item);
+                wins.extend_from_slice(item);
                 owner.push(i as u32);
             }
+            normalize(&mut m);
+            window_means.extend(m);
             w_at += n;
         }
-        let lexical = || Bm25Index::new(&docs, Bm25Params::default());
-        let by_turns = PassageIndex::new(
-            store(rows, dim)?,
-            store(wins.clone(), dim)?,
-            owner.clone(),
-            Some(lexical()),
-        )
-        .map_err(internal)?;
-        let by_item = PassageIndex::new(
-            store(item_vecs.clone(), dim)?,
-            store(wins.clone(), dim)?,
-            owner.clone(),
-            Some(lexical()),
-        )
-        .map_err(internal)?;
-        let by_windows = PassageIndex::new(
-            store(window_means, dim)?,
-            store(wins.clone(), dim)?,
-            owner.clone(),
-            Some(lexical()),
-        )
-        .map_err(internal)?;
-        let by_head = PassageIndex::new(
-            store(heads, dim)?,
-            store(wins, dim)?,
-            owner,
-            Some(lexical()),
-        )
-        .map_err(internal)?;
+        // The same windows and lexical index under each choice of row vector.
+        let with_rows = |rows: Vec<f32>| -> Result<PassageIndex> {
+            PassageIndex::new(
+                store(rows, dim)?,
+                store(wins.clone(), dim)?,
+                owner.clone(),
+                Some(Bm25Index::new(&docs, Bm25Params::default())),
+            )
+            .map_err(internal)
+        };
+        let by_turns = with_rows(rows)?;
+        let by_item = with_rows(item_vecs.clone())?;
+        let by_windows = with_rows(window_means)?;
+        let by_head = with_rows(heads)?;
         let plain = PassageIndex::new(
             store(item_vecs.clone(), dim)?,
             store(Vec::new(), dim)?,
