@@ -1174,7 +1174,9 @@ pub fn build_user(
         }
         entries.push(r.entry);
     }
-    let vector_bytes = flat.len() * 4;
+    // Row and window vectors both stay in memory (the index's own
+    // `bytes()` leaves its stores to the caller).
+    let vector_bytes = (flat.len() + window_flat.len()) * 4;
     let lexical = (cfg.hybrid.lexical_weight > 0.0).then(|| {
         Bm25Index::new(
             entries.iter().map(|e| e.content.as_str()),
@@ -1335,6 +1337,12 @@ mod tests {
         assert!(c.entries[s2].windows.is_empty());
         // s1's window, and every other row (s2, the click) as its own one.
         assert_eq!(c.index.windows(), c.entries.len());
+        // The cache counts the window vectors as well as the rows'.
+        assert!(
+            u.bytes >= (c.entries.len() + c.index.windows()) * EMBEDDING_DIM * 4,
+            "{} bytes",
+            u.bytes
+        );
         // A query along the window's vector finds s1 through it.
         let p = RfMemParams {
             mode: Mode::Familiarity,
