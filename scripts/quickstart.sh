@@ -21,8 +21,8 @@ q() { echo; echo "\$ steamrf sql \"$1\""; "$steamrf" sql --config examples/quick
 q "SELECT kind, count(*) AS events, count(DISTINCT user_id) AS users FROM interactions GROUP BY kind ORDER BY kind"
 q "SELECT i.user_id, it.title, it.categories FROM interactions i JOIN items it ON i.item_id = it.item_id WHERE i.kind = 'purchase' ORDER BY i.timestamp"
 q "SELECT user_id, role, text FROM interactions WHERE kind = 'dialogue_turn' ORDER BY timestamp LIMIT 4"
-# Dialogue turns and items carry all-MiniLM-L6-v2 embeddings; clicks and purchases do not.
-q "SELECT kind, count(*) AS events, count(embedding) AS embedded FROM interactions GROUP BY kind ORDER BY kind"
+# Dialogue turns and items carry all-MiniLM-L6-v2 embeddings (a turn's in turn_vectors); clicks and purchases do not.
+q "SELECT i.kind, count(*) AS events, count(v.event_id) AS embedded FROM interactions i LEFT JOIN turn_vectors v ON v.event_id = i.event_id GROUP BY i.kind ORDER BY i.kind"
 # STEAM memories (docs/steam.md): one per interest per user, linked across users.
 q "SELECT user_id, support, content FROM memories ORDER BY user_id, support DESC"
 q "SELECT from_user, to_user, round(score, 3) AS score FROM memory_links ORDER BY score DESC LIMIT 5"

@@ -69,6 +69,10 @@ pub struct IngestBench {
     /// The share of events that are dialogue turns (embedded at ingest, with
     /// their passage windows); the rest are clicks.
     pub turns_share: f64,
+    /// Produce at this many events/s while the pipeline runs and measure
+    /// the produce → durable latency ([`ingest_latency`]); 0: produce the
+    /// backlog first and measure throughput against kcat.
+    pub rate: u64,
 }
 
 /// Whether bench event `i` is a dialogue turn when a `share` of them are:
@@ -140,11 +144,12 @@ pub async fn produce_events(
     n: u64,
     distinct: u64,
     turns_share: f64,
+    pace: u64,
 ) -> Result<Vec<String>> {
     crate::source::ensure_topic(brokers, &Default::default(), topic, partitions, &[]).await?;
     let (b, t) = (brokers.to_owned(), topic.to_owned());
     let (rate, avg) =
-        tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct, turns_share))
+        tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct, turns_share, pace))
             .await
             .map_err(|e| Error::Internal {
                 message: e.to_string(),
@@ -166,6 +171,7 @@ fn produce_in_child(
     n: u64,
     distinct: u64,
     turns_share: f64,
+    rate: u64,
 ) -> Result<(f64, usize)> {
     let out = Command::new(producer)
         .args(["bench", "produce", "--brokers", brokers, "--topic", topic])
@@ -176,6 +182,8 @@ fn produce_in_child(
             &distinct.to_string(),
             "--turns-share",
             &turns_share.to_string(),
+            "--rate",
+            &rate.to_string(),
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -228,10 +236,14 @@ fn produce(
     n: u64,
     distinct: u64,
     turns_share: f64,
+    rate: u64,
 ) -> Result<(f64, usize)> {
+    // Paced, a record should not wait long in the producer: the latency
+    // measured starts at its timestamp (set when it is handed over).
+    let linger = if rate > 0 { "5" } else { "20" };
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set("linger.ms", "20")
+        .set("linger.ms", linger)
         .set("batch.size", "1000000")
         .set("queue.buffering.max.messages", "1000000")
         .set("queue.buffering.max.kbytes", "1048576")
@@ -240,6 +252,13 @@ fn produce(
     let started = Instant::now();
     let mut bytes = 0;
     for i in 0..n {
+        if rate > 0 && i % 50 == 0 {
+            // Event i is due i / rate seconds after the start.
+            let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+            while let Some(wait) = due.checked_duration_since(Instant::now()) {
+                producer.poll(wait);
+            }
+        }
         // Event i repeats event i mod distinct exactly (a redelivery).
         let (key, payload) = bench_event_mixed(i % distinct.max(1), turns_share);
         bytes += payload.len();
@@ -351,9 +370,12 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
             )],
         });
     }
+    if b.rate > 0 {
+        return ingest_latency(b, topic, distinct).await;
+    }
     let (exe, brokers, t) = (b.producer.clone(), b.brokers.clone(), topic.clone());
     let (produce_rate, avg_bytes) = tokio::task::spawn_blocking(move || {
-        produce_in_child(&exe, &brokers, &t, n, distinct, turns_share)
+        produce_in_child(&exe, &brokers, &t, n, distinct, turns_share, 0)
     })
     .await
     .map_err(|e| Error::Internal {
@@ -376,18 +398,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         context: "temp dir".into(),
         source,
     })?;
-    let mut config = b.config;
-    if b.slow_sink {
-        config.lancedb.reindex_rows = 0;
-        config.batch.max_rows = config.batch.max_rows.min(1000);
-    }
-    config.kafka.brokers = b.brokers.clone();
-    config.kafka.topics = vec![topic.clone()];
-    config.kafka.group_id = format!("{topic}-steamrf");
-    config.kafka.dead_letter_topic = format!("{topic}-dlq");
-    config.lancedb.uri = b
-        .lancedb_uri
-        .unwrap_or_else(|| dir.path().to_string_lossy().into_owned());
+    let config = bench_config(&b, &topic, dir.path());
     let metrics = Metrics::new(&config.kafka.topics);
     let stop = Arc::new(AtomicBool::new(false));
     let policy = config.batch.policy();
@@ -571,6 +582,151 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         metrics.backpressure.get()
     ));
     Ok(out)
+}
+
+/// The pipeline configuration of an ingest bench: `b.config` on a fresh
+/// topic, group, dead-letter topic and (unless given) LanceDB directory.
+fn bench_config(b: &IngestBench, topic: &str, dir: &std::path::Path) -> Config {
+    let mut config = b.config.clone();
+    if b.slow_sink {
+        config.lancedb.reindex_rows = 0;
+        config.batch.max_rows = config.batch.max_rows.min(1000);
+    }
+    config.kafka.brokers = b.brokers.clone();
+    config.kafka.topics = vec![topic.to_owned()];
+    config.kafka.group_id = format!("{topic}-steamrf");
+    config.kafka.dead_letter_topic = format!("{topic}-dlq");
+    config.lancedb.uri = b
+        .lancedb_uri
+        .clone()
+        .unwrap_or_else(|| dir.to_string_lossy().into_owned());
+    config
+}
+
+/// The `q` quantile of histogram `h`, interpolated linearly within its
+/// bucket as Prometheus' `histogram_quantile` does (NaN when empty,
+/// infinite past the last bucket).
+fn histogram_quantile(h: &prometheus::Histogram, q: f64) -> f64 {
+    use prometheus::core::Metric as _;
+    let m = h.metric();
+    let hist = m.get_histogram();
+    let total = hist.get_sample_count();
+    if total == 0 {
+        return f64::NAN;
+    }
+    let rank = q * total as f64;
+    let (mut lower, mut below) = (0.0, 0u64);
+    for b in hist.get_bucket() {
+        let (upper, count) = (b.upper_bound(), b.cumulative_count());
+        if count as f64 >= rank {
+            let inside = (count - below) as f64;
+            return lower + (upper - lower) * (rank - below as f64) / inside.max(1.0);
+        }
+        (lower, below) = (upper, count);
+    }
+    f64::INFINITY
+}
+
+/// `bench ingest --rate R`: the pipeline runs first; a child process then
+/// produces the events at `R`/s, each stamped by its producer; the latency
+/// of each record is its Kafka timestamp → its batch's offsets committed
+/// (`steamrf_ingest_end_to_end_seconds`, the metric a deployment watches).
+async fn ingest_latency(b: IngestBench, topic: String, distinct: u64) -> Result<Vec<String>> {
+    let n = b.events;
+    let dir = tempfile::tempdir().map_err(|source| Error::Io {
+        context: "temp dir".into(),
+        source,
+    })?;
+    let config = bench_config(&b, &topic, dir.path());
+    let metrics = Metrics::new(&config.kafka.topics);
+    let stop = Arc::new(AtomicBool::new(false));
+    let task = tokio::spawn(pipeline::run(
+        config.clone(),
+        RunOptions::default(),
+        metrics.clone(),
+        stop.clone(),
+    ));
+    // Produce only once the group has assigned the partitions, so the
+    // latency does not include the pipeline's start-up.
+    let ready_by = Instant::now() + Duration::from_secs(120);
+    while metrics.assigned_partitions.get() == 0 {
+        if task.is_finished() || Instant::now() > ready_by {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            task.await.map_err(|e| Error::Internal {
+                message: e.to_string(),
+            })??;
+            return Err(Error::Internal {
+                message: "the pipeline was not assigned its partitions within 120 s".into(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    reset_peak_rss();
+    let (exe, brokers, t, turns_share, rate) = (
+        b.producer.clone(),
+        b.brokers.clone(),
+        topic.clone(),
+        b.turns_share,
+        b.rate,
+    );
+    let started = Instant::now();
+    let producer = tokio::task::spawn_blocking(move || {
+        produce_in_child(&exe, &brokers, &t, n, distinct, turns_share, rate)
+    });
+    let deadline = started + Duration::from_secs_f64(n as f64 / b.rate as f64 + 300.0);
+    while metrics.records_committed.get() < n && !task.is_finished() {
+        if Instant::now() > deadline {
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err(Error::Internal {
+                message: format!(
+                    "steamrf committed {} of {n} events within {:.0} s",
+                    metrics.records_committed.get(),
+                    deadline.duration_since(started).as_secs_f64()
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = started.elapsed().as_secs_f64();
+    let peak = rss_bytes("VmHWM:");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    task.await.map_err(|e| Error::Internal {
+        message: e.to_string(),
+    })??;
+    let (produced_per_s, avg_bytes) = producer.await.map_err(|e| Error::Internal {
+        message: e.to_string(),
+    })??;
+    let e2e = &metrics.end_to_end;
+    let (p50, p99) = (histogram_quantile(e2e, 0.5), histogram_quantile(e2e, 0.99));
+    let commits: u64 = steamrf_schemas::TableName::ALL
+        .iter()
+        .map(|t| {
+            metrics
+                .write_duration
+                .with_label_values(&[t.as_str()])
+                .get_sample_count()
+        })
+        .sum();
+    let batches = metrics.batch_latency.get_sample_count();
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    Ok(vec![
+        format!(
+            "produced {n} events ({:.0}% dialogue turns, {avg_bytes} bytes on average) at {produced_per_s:.0}/s (target {}/s) while steamrf ran; all committed {took:.1} s after the first was produced",
+            b.turns_share * 100.0,
+            b.rate
+        ),
+        format!(
+            "  produce → durable (Kafka timestamp → offsets committed, {} records): p50 {p50:.3} s, p99 {p99:.3} s (interpolated within the histogram's buckets: 0.1 s wide up to 1 s); {batches} batches, {commits} LanceDB commits; peak RSS {:.0} MiB",
+            e2e.get_sample_count(),
+            mib(peak)
+        ),
+        format!(
+            "RESULT rate={} produced_per_s={produced_per_s:.0} e2e_p50_s={p50:.3} e2e_p99_s={p99:.3} batches={batches} commits={commits} peak_rss_mib={:.0}",
+            b.rate,
+            mib(peak)
+        ),
+    ])
 }
 
 /// The dialogue-turn side of `bench ingest --turns-share`.

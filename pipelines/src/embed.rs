@@ -1,10 +1,12 @@
-//! The embed stage: between the source and the writer, fills the `embedding`
-//! column of dialogue turns and of new item versions.
+//! The embed stage: between the source and the writer, embeds dialogue turns
+//! (into the batch's `turn_vectors` rows), their passage windows (`passages`)
+//! and new item versions (the `embedding` column of `items`).
 //!
 //! - Clicks and purchases are never embedded.
-//! - A dialogue turn already stored (a replay) is not embedded again: it
-//!   gets the vector stored the first time, so that the STEAM stage, which
-//!   runs after the write, observes it as it would have then.
+//! - A dialogue turn whose vector is already stored (a replay) is not
+//!   embedded again: the batch carries the vector stored the first time, so
+//!   that the STEAM stage, which runs after the write, observes it as it
+//!   would have then.
 //! - An item is embedded once per version: rows that are not newer than the
 //!   stored item by `(timestamp, event_id)` are dropped from the batch before
 //!   embedding (the write would not apply them).
@@ -260,8 +262,9 @@ impl EmbedStage {
             .map_or(0, RecordBatch::num_rows)
             + tables.items.as_ref().map_or(0, RecordBatch::num_rows);
         if let Some(batch) = tables.interactions.take() {
-            let batch = self.dialogue(sink, batch, &mut rejected).await?;
+            let (batch, vectors) = self.dialogue(sink, batch, &mut rejected).await?;
             tables.passages = self.passages(sink, &batch).await?;
+            tables.turn_vectors = vectors;
             tables.interactions = Some(batch);
         }
         if let Some(batch) = tables.items.take() {
@@ -277,62 +280,59 @@ impl EmbedStage {
         Ok(rejected)
     }
 
+    /// Embeds the batch's dialogue turns that have no stored vector; returns
+    /// the batch (less the rows whose text the endpoint refused) and its
+    /// `turn_vectors` rows: the new vectors and, for turns a replay finds
+    /// stored, the stored ones.
     async fn dialogue(
         &self,
         sink: &LanceSink,
         batch: RecordBatch,
         rejected: &mut Vec<RejectedRow>,
-    ) -> Result<RecordBatch> {
+    ) -> Result<(RecordBatch, Option<RecordBatch>)> {
         let col = |n: &str| column(&batch, n);
         let kind = col("kind")?.as_string::<i32>();
         let text = col("text")?.as_string::<i32>();
         let ids = col("event_id")?.as_string::<i32>();
+        let mut seen = std::collections::HashSet::new();
         let turns: Vec<usize> = (0..batch.num_rows())
             .filter(|&r| kind.value(r) == "dialogue_turn" && text.is_valid(r))
+            .filter(|&r| seen.insert(ids.value(r)))
             .collect();
         if turns.is_empty() {
-            return Ok(batch);
+            return Ok((batch, None));
         }
         let keys: Vec<&str> = turns.iter().map(|&r| ids.value(r)).collect();
-        let stored = sink.stored_versions(TableName::Interactions, &keys).await?;
-        let mut seen = std::collections::HashSet::new();
+        // A replayed turn (a crash after the write, before the commit) keeps
+        // the vector stored the first time: the STEAM stage, which runs after
+        // the write, must still observe it, and nothing is embedded twice.
+        let stored = sink.stored_vectors(&keys).await?;
         let (replayed, rows): (Vec<usize>, Vec<usize>) = turns
             .into_iter()
-            .filter(|&r| seen.insert(ids.value(r)))
             .partition(|&r| stored.contains_key(ids.value(r)));
         self.metrics
             .embed_skipped
             .with_label_values(&["dialogue_turn"])
-            .inc_by((keys.len() - rows.len()) as u64);
-        // A replayed turn (a crash after the write, before the commit) keeps
-        // the vector stored the first time: the STEAM stage, which runs after
-        // the write, must still observe it.
-        let texts: Vec<String> = rows.iter().map(|&r| text.value(r).to_owned()).collect();
-        let replayed: Vec<(usize, String)> = replayed
-            .into_iter()
-            .map(|r| (r, ids.value(r).to_owned()))
-            .collect();
-        let batch = if replayed.is_empty() {
-            batch
-        } else {
-            let keys: Vec<&str> = replayed.iter().map(|(_, id)| id.as_str()).collect();
-            let vectors = sink.stored_vectors(&keys).await?;
-            let (mut at, mut flat) = (Vec::new(), Vec::new());
-            for (r, id) in &replayed {
-                if let Some(v) = vectors.get(id) {
-                    at.push(*r);
-                    flat.extend_from_slice(v);
-                }
-            }
-            with_embeddings(&batch, &at, &flat)?
-        };
-        if rows.is_empty() {
-            return Ok(batch);
+            .inc_by(replayed.len() as u64);
+        let (mut at, mut flat) = (Vec::new(), Vec::new());
+        for &r in &replayed {
+            at.push(r);
+            flat.extend_from_slice(&stored[ids.value(r)]);
         }
-        let out = self.run("dialogue_turn", texts).await?;
-        let (accepted, refused) = out.by_row(&rows);
-        let batch = with_embeddings(&batch, &accepted, &out.vectors)?;
-        take_out(TableName::Interactions, batch, "text", refused, rejected)
+        let mut refused = Vec::new();
+        if !rows.is_empty() {
+            let texts: Vec<String> = rows.iter().map(|&r| text.value(r).to_owned()).collect();
+            let out = self.run("dialogue_turn", texts).await?;
+            let (accepted, no) = out.by_row(&rows);
+            at.extend_from_slice(&accepted);
+            flat.extend_from_slice(&out.vectors);
+            refused = no;
+        }
+        let vectors = (!at.is_empty())
+            .then(|| steamrf_schemas::tables::turn_vectors(&batch, &at, &flat))
+            .transpose()?;
+        let batch = take_out(TableName::Interactions, batch, "text", refused, rejected)?;
+        Ok((batch, vectors))
     }
 
     /// The `passages` rows of the batch's dialogue turns that have none

@@ -1,7 +1,7 @@
 //! The right to be forgotten: `steamrf forget USER` and the `forget` event.
 //!
-//! One procedure for both: delete the user's rows from `interactions` and
-//! `profiles`; through the STEAM stage delete their memories and every link
+//! One procedure for both: delete the user's rows from `interactions`,
+//! `turn_vectors`, `profiles` and `passages`; through the STEAM stage delete their memories and every link
 //! to or from them, re-link the other users' memories that pointed at them,
 //! rebuild or withdraw the affected prototypes; then rewrite every fragment
 //! of the touched tables that holds a deleted row (compaction with deletions
@@ -30,6 +30,8 @@ pub struct Receipt {
     pub interactions: u64,
     /// Rows deleted from `profiles`.
     pub profiles: u64,
+    /// Rows deleted from `turn_vectors`.
+    pub turn_vectors: u64,
     /// Rows deleted from `passages`.
     pub passages: u64,
     /// Rows deleted from `memories`.
@@ -173,6 +175,7 @@ pub async fn forget(
     let mut touched: Vec<&Table> = Vec::new();
     for name in [
         steamrf_schemas::TableName::Interactions,
+        steamrf_schemas::TableName::TurnVectors,
         steamrf_schemas::TableName::Profiles,
         steamrf_schemas::TableName::Passages,
     ] {
@@ -180,6 +183,7 @@ pub async fn forget(
         let n = delete_counted(table, &filter).await?;
         match name {
             steamrf_schemas::TableName::Interactions => r.interactions = n,
+            steamrf_schemas::TableName::TurnVectors => r.turn_vectors = n,
             steamrf_schemas::TableName::Passages => r.passages = n,
             _ => r.profiles = n,
         }

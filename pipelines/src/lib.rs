@@ -16,6 +16,7 @@ pub mod eval;
 pub mod forget;
 pub mod http;
 pub mod metrics;
+pub mod migrate;
 pub mod pipeline;
 pub mod serve;
 pub mod sink;

@@ -66,10 +66,16 @@ enum Cmd {
         #[arg(long, value_parser = humantime::parse_duration)]
         exit_when_idle: Option<Duration>,
     },
-    /// Delete everything stored about a user (interactions, profile, memories, links), rebuild the affected communities and prototypes, remove the bytes from disk, and print a receipt. Run it with the steamrf processes stopped; while they run, send a `forget` event instead.
+    /// Delete everything stored about a user (interactions, turn vectors, passages, profile, memories, links), rebuild the affected communities and prototypes, remove the bytes from disk, and print a receipt. Run it with the steamrf processes stopped; while they run, send a `forget` event instead.
     Forget {
         /// The user id.
         user_id: String,
+        /// Configuration file (TOML); STEAMRF__SECTION__KEY variables override it.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+    },
+    /// Upgrade tables written by an earlier steamrf to the schema this build writes (today: turn vectors move from interactions.embedding to turn_vectors), and print what it did as JSON. Idempotent. Run it with the ingest instances stopped.
+    Migrate {
         /// Configuration file (TOML); STEAMRF__SECTION__KEY variables override it.
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
@@ -328,6 +334,9 @@ struct BenchEvents {
     /// The share of events that are dialogue turns (4–48 words, embedded at ingest with their passage windows); the rest are clicks.
     #[arg(long, default_value_t = 0.0)]
     turns_share: f64,
+    /// Produce at this many events/s (0: as fast as possible). `bench ingest` then runs the pipeline while they are produced and reports the produce → durable latency instead of kcat's rate.
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
 }
 
 fn main() -> ExitCode {
@@ -550,6 +559,14 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string_pretty(&receipt)?);
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Migrate { config } => {
+            let config = Config::load(config.as_deref())?;
+            let report = steamrf_pipelines::migrate::migrate(&config.lancedb)
+                .await
+                .context("migrate")?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Validate { config } => match Config::load(Some(&config)) {
             Ok(c) => {
                 println!("{}: ok", config.display());
@@ -658,6 +675,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 producer: std::env::current_exe().context("locating the steamrf binary")?,
                 distinct: events.distinct,
                 turns_share: events.turns_share,
+                rate: events.rate,
             })
             .await
             .context("bench ingest")?;
@@ -678,6 +696,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 e.events,
                 distinct,
                 e.turns_share,
+                e.rate,
             )
             .await
             .context("bench produce")?;

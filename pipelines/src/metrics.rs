@@ -38,6 +38,9 @@ pub struct Metrics {
     pub batch_bytes: Histogram,
     /// From a batch's first record being polled to its offsets being committed.
     pub batch_latency: Histogram,
+    /// From each record's Kafka timestamp to its batch's offsets being
+    /// committed (its rows durable): the end-to-end latency.
+    pub end_to_end: Histogram,
     /// Batches waiting between the consumer and the writer.
     pub queue_depth: IntGauge,
     /// Seconds the source spent blocked on a full queue (backpressure from the sink).
@@ -237,6 +240,15 @@ impl Metrics {
                 "steamrf_batch_latency_seconds",
                 "From a batch's first record being polled to its offsets being committed.",
                 seconds.clone(),
+            ),
+            end_to_end: histogram(
+                &r,
+                "steamrf_ingest_end_to_end_seconds",
+                "From each record's Kafka timestamp (producer CreateTime, or LogAppendTime) to its batch's offsets being committed, its rows durable.",
+                vec![
+                    0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0,
+                    5.0, 10.0, 30.0, 60.0, 300.0,
+                ],
             ),
             queue_depth: {
                 let g = IntGauge::new(

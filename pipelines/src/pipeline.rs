@@ -490,5 +490,12 @@ async fn write_batch(
     metrics
         .batch_latency
         .observe(batch.opened_at.elapsed().as_secs_f64());
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    for t in &batch.produced_ms {
+        // A producer clock ahead of this host's counts as zero.
+        metrics
+            .end_to_end
+            .observe((now_ms - t).max(0) as f64 / 1000.0);
+    }
     Ok(())
 }

@@ -66,13 +66,16 @@ fn session(cfg: &LanceDbConfig) -> Arc<lance::session::Session> {
 /// [`Error::Lance`] on storage errors, [`Error::Config`] on a schema mismatch.
 pub async fn open_or_create(db: &Connection, name: TableName) -> Result<Table> {
     let table = open_or_create_named(db, name.as_str(), name.schema()).await?;
-    // Only `interactions` and `passages` (insert if absent) declare their key: Lance 14
+    // Only the insert-if-absent tables (`interactions`, `turn_vectors`, `passages`) declare their key: Lance 14
     // rejects the conditional upserts of `items` and `profiles` (newest
     // wins) on a table with a declared primary key ("Primary key column and
     // all its ancestors must not be nullable", raised for the merge's outer
     // join). Those two tables stay exposed to the race below: two instances
     // inserting the same new item or profile at once can store it twice.
-    if matches!(name, TableName::Interactions | TableName::Passages) {
+    if matches!(
+        name,
+        TableName::Interactions | TableName::TurnVectors | TableName::Passages
+    ) {
         ensure_primary_key(&table, name.key()).await?;
     }
     Ok(table)
@@ -178,6 +181,11 @@ pub async fn open_or_create_named(
             .collect::<Vec<_>>()
     };
     if names(&actual) != names(&expected) {
+        if let Some(problem) = crate::migrate::pending(name, &actual) {
+            return Err(Error::Config {
+                problems: vec![problem],
+            });
+        }
         return Err(Error::Config {
             problems: vec![format!(
                 "table {} exists with a different schema than this build writes; migrate or point lancedb.uri elsewhere.\n    found:    {:?}\n    expected: {:?}",
@@ -228,11 +236,13 @@ pub(crate) async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> 
 }
 
 /// The columns of `name` with a BTree index: the key (idempotent writes),
-/// and for `interactions` also `user_id` (the retrieval service reads one
-/// user's rows at a time).
+/// and for the per-user tables also `user_id` (the retrieval service reads
+/// one user's rows at a time).
 pub(crate) fn indexed_columns(name: TableName) -> &'static [&'static str] {
     match name {
-        TableName::Interactions | TableName::Passages => &["event_id", "user_id"],
+        TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
+            &["event_id", "user_id"]
+        }
         TableName::Items => &["item_id"],
         TableName::Profiles => &["user_id"],
     }
@@ -392,7 +402,7 @@ impl LanceSink {
         let table = self.table(name);
         let mut merge = table.merge_insert(&[name.key()]);
         match name {
-            TableName::Interactions | TableName::Passages => {
+            TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
                 merge.when_not_matched_insert_all();
             }
             TableName::Items | TableName::Profiles => {
@@ -488,11 +498,12 @@ impl LanceSink {
         Ok(out)
     }
 
-    /// The stored `embedding` of each of `keys` in `interactions` that has
-    /// one (keys absent, or stored without a vector, are absent from the map).
+    /// The stored vector of each of the dialogue turns `keys` (from
+    /// `turn_vectors`; turns without one are absent from the map).
     ///
     /// A replayed batch carries the vectors its first attempt stored, so the
-    /// STEAM stage observes a replayed turn as it would have the first time.
+    /// STEAM stage observes a replayed turn as it would have the first time,
+    /// and nothing is embedded twice.
     ///
     /// # Errors
     /// [`Error::Lance`] if the query fails.
@@ -500,17 +511,9 @@ impl LanceSink {
         use arrow_array::Array;
 
         let mut out = HashMap::new();
-        let table = self.table(TableName::Interactions);
+        let table = self.table(TableName::TurnVectors);
         let columns = ["event_id", "embedding"];
-        for b in lookup(
-            table,
-            "event_id",
-            keys,
-            &columns,
-            Some("embedding IS NOT NULL"),
-        )
-        .await?
-        {
+        for b in lookup(table, "event_id", keys, &columns, None).await? {
             let (Some(ev), Some(emb)) =
                 (b.column_by_name("event_id"), b.column_by_name("embedding"))
             else {
@@ -637,7 +640,7 @@ pub(crate) fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch>
     let keys = col(name.key())?.as_string::<i32>();
     let mut keep: HashMap<&str, u32> = HashMap::with_capacity(batch.num_rows());
     match name {
-        TableName::Interactions | TableName::Passages => {
+        TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
             for (i, k) in keys.iter().enumerate() {
                 keep.entry(k.unwrap_or_default()).or_insert(i as u32);
             }

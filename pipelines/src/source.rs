@@ -28,11 +28,11 @@ use crate::config::KafkaConfig;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 
-/// What a decoded row costs in its Arrow batch beyond the payload's bytes:
-/// every table has an embedding column, and a fixed-size list stores
-/// `EMBEDDING_DIM` floats per row, null or not (a click's null vector takes
-/// as much memory as a dialogue turn's vector). `batch.max_bytes` counts it,
-/// so it bounds the batch's memory rather than its JSON.
+/// What one vector costs in a batch: `EMBEDDING_DIM` floats. A row that
+/// gets vectors adds them to its payload's bytes in `batch.max_bytes`, so the
+/// budget bounds the batch's memory rather than its JSON: an item one (its
+/// `embedding` column), a dialogue turn two (its `turn_vectors` row and its
+/// passage window). Clicks and purchases carry none.
 pub const ROW_VECTOR_BYTES: usize = steamrf_schemas::tables::EMBEDDING_DIM * 4;
 
 /// Dead-letter header names.
@@ -199,6 +199,10 @@ pub struct SourceBatch {
     /// `forget` events: (event id, user id). A batch that carries one
     /// carries nothing else; the writer runs it before committing.
     pub forgets: Vec<(String, String)>,
+    /// The Kafka timestamp (ms since the epoch: the producer's CreateTime,
+    /// or the broker's LogAppendTime if the topic says so) of each record
+    /// covered that has one: the end-to-end latency is measured from it.
+    pub produced_ms: Vec<i64>,
 }
 
 /// Consumer callbacks: rebalance logging and the lag gauge.
@@ -452,6 +456,7 @@ struct Pending {
     builders: TableBuilders,
     offsets: HashMap<(usize, i32), i64>,
     dead_letters: Vec<DeliveryFuture>,
+    produced_ms: Vec<i64>,
 }
 
 impl SourceLoop {
@@ -466,6 +471,7 @@ impl SourceLoop {
             builders: TableBuilders::default(),
             offsets: HashMap::new(),
             dead_letters: Vec::new(),
+            produced_ms: Vec::new(),
         };
         let mut opened_at = Instant::now();
         let mut last_record = Instant::now();
@@ -509,6 +515,7 @@ impl SourceLoop {
                     }
                     let topic_idx = topics.iter().position(|t| t == msg.topic()).unwrap_or(0);
                     let payload = msg.payload().unwrap_or_default();
+                    let produced = msg.timestamp().to_millis();
                     received[topic_idx].inc();
                     received_bytes[topic_idx].inc_by(payload.len() as u64);
                     let decoded = if payload.len() > max_event_bytes {
@@ -534,6 +541,7 @@ impl SourceLoop {
                                 opened_at: now,
                                 reason: FlushReason::Forget,
                                 forgets: vec![(f.event_id.to_string(), f.user_id.to_string())],
+                                produced_ms: produced.into_iter().collect(),
                             },
                             tx,
                         )?;
@@ -545,16 +553,20 @@ impl SourceLoop {
                         .entry((topic_idx, msg.partition()))
                         .or_insert(0);
                     *slot = (*slot).max(msg.offset() + 1);
+                    pending.produced_ms.extend(produced);
                     let mut text = false;
                     let size = match decoded {
                         Ok(event) => {
-                            text = match &event {
-                                Event::Interaction(i) => {
-                                    i.kind == steamrf_schemas::InteractionKind::DialogueTurn
+                            let vectors = match &event {
+                                Event::Interaction(i)
+                                    if i.kind == steamrf_schemas::InteractionKind::DialogueTurn =>
+                                {
+                                    2
                                 }
-                                Event::Item(_) => true,
-                                _ => false,
+                                Event::Item(_) => 1,
+                                _ => 0,
                             };
+                            text = vectors > 0;
                             pending.builders.append(
                                 &event,
                                 Provenance {
@@ -563,7 +575,7 @@ impl SourceLoop {
                                     ingested_at_ms: chrono::Utc::now().timestamp_millis(),
                                 },
                             );
-                            payload.len() + ROW_VECTOR_BYTES
+                            payload.len() + vectors * ROW_VECTOR_BYTES
                         }
                         Err(err) => {
                             let f = self.dead_letter(&msg, payload, &err)?;
@@ -652,6 +664,7 @@ impl SourceLoop {
             opened_at,
             reason,
             forgets: Vec::new(),
+            produced_ms: std::mem::take(&mut p.produced_ms),
         };
         self.send(batch, tx)
     }

@@ -485,7 +485,26 @@ impl SteamStage {
                 col("role")?.as_string::<i32>(),
                 col("text")?.as_string::<i32>(),
             );
-            let emb = col("embedding")?;
+            // Each turn's vector, from the batch's `turn_vectors` rows.
+            let mut turn_vectors: HashMap<&str, &[f32]> = HashMap::new();
+            if let Some(tv) = &tables.turn_vectors {
+                let ids = tv
+                    .column_by_name("event_id")
+                    .ok_or_else(|| Error::Internal {
+                        message: "turn_vectors batch lacks event_id".into(),
+                    })?
+                    .as_string::<i32>();
+                let emb = tv
+                    .column_by_name("embedding")
+                    .ok_or_else(|| Error::Internal {
+                        message: "turn_vectors batch lacks embedding".into(),
+                    })?;
+                for r in 0..tv.num_rows() {
+                    if let Some(v) = vector(emb, r) {
+                        turn_vectors.insert(ids.value(r), v);
+                    }
+                }
+            }
             for r in 0..b.num_rows() {
                 let obs = match kind.value(r) {
                     "dialogue_turn" => {
@@ -494,7 +513,7 @@ impl SteamStage {
                         if role.is_null(r) || role.value(r) != "user" {
                             continue;
                         }
-                        vector(emb, r).map(|e| Observation {
+                        turn_vectors.get(event.value(r)).map(|e| Observation {
                             embedding: e.to_vec(),
                             event_id: event.value(r).to_owned(),
                             timestamp_ms: ts.value(r),

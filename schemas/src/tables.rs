@@ -2,9 +2,13 @@
 //! that append decoded events into `RecordBatch`es for those tables.
 //!
 //! Tables (all written idempotently, see `ARCHITECTURE.md`):
-//! - `interactions`: clicks, purchases and dialogue turns, keyed by `event_id`;
+//! - `interactions`: clicks, purchases and dialogue turns, keyed by `event_id`,
+//!   without vectors (most rows have none, and a vector column costs a click
+//!   row 1,536 bytes in memory and every idempotent merge a join over it);
+//! - `turn_vectors`: each embedded dialogue turn's vector, keyed by `event_id`;
 //! - `items`: the catalog, keyed by `item_id` (latest event time wins);
-//! - `profiles`: user attributes, keyed by `user_id` (latest event time wins).
+//! - `profiles`: user attributes, keyed by `user_id` (latest event time wins);
+//! - `passages`: one embedded window of turns per dialogue turn.
 //!
 //! Every row carries its provenance: the Kafka partition and offset it came
 //! from and when steamrf ingested it.
@@ -24,8 +28,10 @@ use crate::event::{Event, EventType, Interaction, ItemEvent, ProfileEvent};
 /// The LanceDB tables the ingest pipeline writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TableName {
-    /// Clicks, purchases, dialogue turns.
+    /// Clicks, purchases, dialogue turns (no vectors).
     Interactions,
+    /// The vector of each embedded dialogue turn, by its `event_id`.
+    TurnVectors,
     /// The item catalog.
     Items,
     /// User profiles.
@@ -37,8 +43,9 @@ pub enum TableName {
 
 impl TableName {
     /// All tables, in a fixed order.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 5] = [
         Self::Interactions,
+        Self::TurnVectors,
         Self::Items,
         Self::Profiles,
         Self::Passages,
@@ -48,6 +55,7 @@ impl TableName {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Interactions => "interactions",
+            Self::TurnVectors => "turn_vectors",
             Self::Items => "items",
             Self::Profiles => "profiles",
             Self::Passages => "passages",
@@ -57,7 +65,7 @@ impl TableName {
     /// The column writes are idempotent on.
     pub fn key(self) -> &'static str {
         match self {
-            Self::Interactions => "event_id",
+            Self::Interactions | Self::TurnVectors => "event_id",
             Self::Items => "item_id",
             Self::Profiles => "user_id",
             Self::Passages => "event_id",
@@ -68,6 +76,7 @@ impl TableName {
     pub fn schema(self) -> SchemaRef {
         match self {
             Self::Interactions => INTERACTIONS.clone(),
+            Self::TurnVectors => TURN_VECTORS.clone(),
             Self::Items => ITEMS.clone(),
             Self::Profiles => PROFILES.clone(),
             Self::Passages => PASSAGES.clone(),
@@ -95,7 +104,7 @@ fn utf8(name: &str, nullable: bool) -> Field {
 pub const EMBEDDING_DIM: usize = 384;
 
 /// The embedding column: `FixedSizeList<Float32, 384>`, null where nothing is
-/// embedded (clicks, purchases) or embedding is switched off.
+/// embedded (an item while embedding is switched off).
 pub fn embedding_field() -> Field {
     Field::new(
         "embedding",
@@ -125,8 +134,20 @@ static INTERACTIONS: LazyLock<SchemaRef> = LazyLock::new(|| {
         utf8("currency", true),
         utf8("role", true),
         utf8("text", true),
+    ];
+    fields.extend(provenance_fields());
+    Arc::new(Schema::new(fields))
+});
+
+static TURN_VECTORS: LazyLock<SchemaRef> = LazyLock::new(|| {
+    let mut fields = vec![
+        // The turn's `interactions` row.
+        utf8("event_id", false),
+        utf8("user_id", false),
+        Field::new("timestamp", ts(), false),
         embedding_field(),
     ];
+    // The turn's own provenance.
     fields.extend(provenance_fields());
     Arc::new(Schema::new(fields))
 });
@@ -298,7 +319,7 @@ impl InteractionsBuilder {
     }
 
     fn finish(&mut self) -> Result<RecordBatch, ArrowError> {
-        let rows = std::mem::take(&mut self.len);
+        self.len = 0;
         let mut cols: Vec<ArrayRef> = vec![
             Arc::new(self.event_id.finish()),
             Arc::new(self.kind.finish()),
@@ -312,7 +333,6 @@ impl InteractionsBuilder {
             Arc::new(self.currency.finish()),
             Arc::new(self.role.finish()),
             Arc::new(self.text.finish()),
-            new_null_array(embedding_field().data_type(), rows),
         ];
         cols.extend(self.provenance.finish());
         RecordBatch::try_new(INTERACTIONS.clone(), cols)
@@ -435,6 +455,10 @@ pub struct TableBatches {
     pub items: Option<RecordBatch>,
     /// Rows for `profiles`.
     pub profiles: Option<RecordBatch>,
+    /// Rows for `turn_vectors` (made by the embed stage, never by the
+    /// builders): the vectors of the batch's dialogue turns, also those a
+    /// replay finds stored, so the STEAM stage sees every turn's vector.
+    pub turn_vectors: Option<RecordBatch>,
     /// Rows for `passages` (made by the embed stage, never by the builders).
     pub passages: Option<RecordBatch>,
 }
@@ -444,6 +468,7 @@ impl TableBatches {
     pub fn iter(&self) -> impl Iterator<Item = (TableName, &RecordBatch)> {
         [
             (TableName::Interactions, self.interactions.as_ref()),
+            (TableName::TurnVectors, self.turn_vectors.as_ref()),
             (TableName::Items, self.items.as_ref()),
             (TableName::Profiles, self.profiles.as_ref()),
             (TableName::Passages, self.passages.as_ref()),
@@ -498,6 +523,7 @@ impl TableBuilders {
             interactions,
             items,
             profiles,
+            turn_vectors: None,
             passages: None,
         })
     }
@@ -566,6 +592,43 @@ pub fn with_embeddings(
     )?;
     let mut cols = batch.columns().to_vec();
     cols[idx] = Arc::new(array);
+    RecordBatch::try_new(schema, cols)
+}
+
+/// `turn_vectors` rows for rows `rows` of an `interactions` batch: their
+/// event id, user, time and provenance, and `vectors[i * EMBEDDING_DIM..]`
+/// for `rows[i]`.
+///
+/// # Errors
+/// If `interactions` lacks a column, a row is out of range, or `vectors` is
+/// not `rows.len() × EMBEDDING_DIM` long.
+pub fn turn_vectors(
+    interactions: &RecordBatch,
+    rows: &[usize],
+    vectors: &[f32],
+) -> Result<RecordBatch, ArrowError> {
+    let n = interactions.num_rows();
+    if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+        return Err(ArrowError::InvalidArgumentError(format!(
+            "row {r} out of range (batch of {n})"
+        )));
+    }
+    let embedding = embedding_array(vectors, rows.len())?;
+    let idx = arrow_array::UInt32Array::from_iter_values(rows.iter().map(|&r| r as u32));
+    let schema = TURN_VECTORS.clone();
+    let cols = schema
+        .fields()
+        .iter()
+        .map(|f| {
+            if f.name() == "embedding" {
+                return Ok(embedding.clone());
+            }
+            let c = interactions.column_by_name(f.name()).ok_or_else(|| {
+                ArrowError::InvalidArgumentError(format!("interactions batch lacks {}", f.name()))
+            })?;
+            arrow_select::take::take(c, &idx, None)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     RecordBatch::try_new(schema, cols)
 }
 
@@ -702,9 +765,9 @@ mod tests {
     #[test]
     fn embeddings_are_set_on_the_chosen_rows_and_null_elsewhere() {
         let payloads = [
-            r#"{"type":"click","schema_version":1,"event_id":"e1","timestamp":1000,"user_id":"u1","item_id":"i1"}"#,
-            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e2","timestamp":2000,"user_id":"u1","session_id":"s","role":"user","text":"hi"}"#,
-            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e3","timestamp":3000,"user_id":"u1","session_id":"s","role":"user","text":"jazz"}"#,
+            r#"{"type":"item","schema_version":1,"event_id":"e1","timestamp":1000,"item_id":"i1","title":"a"}"#,
+            r#"{"type":"item","schema_version":1,"event_id":"e2","timestamp":2000,"item_id":"i2","title":"b"}"#,
+            r#"{"type":"item","schema_version":1,"event_id":"e3","timestamp":3000,"item_id":"i3","title":"c"}"#,
         ];
         let mut b = TableBuilders::default();
         for (i, p) in payloads.iter().enumerate() {
@@ -715,7 +778,7 @@ mod tests {
             };
             b.append(&decode(p.as_bytes()).unwrap(), p0);
         }
-        let batch = b.finish().unwrap().interactions.unwrap();
+        let batch = b.finish().unwrap().items.unwrap();
         let col = |batch: &RecordBatch| {
             batch
                 .column_by_name("embedding")
@@ -746,5 +809,51 @@ mod tests {
         assert_eq!(col(&again).null_count(), 0);
         assert!(with_embeddings(&batch, &[3], &vec![0.0; EMBEDDING_DIM]).is_err());
         assert!(with_embeddings(&batch, &[0], &[0.0; 3]).is_err());
+    }
+
+    #[test]
+    fn turn_vectors_carry_the_chosen_turns_with_their_provenance() {
+        use arrow_array::cast::AsArray;
+        let payloads = [
+            r#"{"type":"click","schema_version":1,"event_id":"e1","timestamp":1000,"user_id":"u1","item_id":"i1"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e2","timestamp":2000,"user_id":"u1","session_id":"s","role":"user","text":"hi"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e3","timestamp":3000,"user_id":"u2","session_id":"s","role":"user","text":"jazz"}"#,
+        ];
+        let mut b = TableBuilders::default();
+        for (i, p) in payloads.iter().enumerate() {
+            let p0 = Provenance {
+                partition: 1,
+                offset: 10 + i as i64,
+                ingested_at_ms: 0,
+            };
+            b.append(&decode(p.as_bytes()).unwrap(), p0);
+        }
+        let batch = b.finish().unwrap().interactions.unwrap();
+        assert!(batch.column_by_name("embedding").is_none());
+        let mut v = vec![0.5f32; EMBEDDING_DIM];
+        v.extend(vec![-1.0f32; EMBEDDING_DIM]);
+        let tv = turn_vectors(&batch, &[2, 1], &v).unwrap();
+        assert_eq!(tv.schema(), TableName::TurnVectors.schema());
+        let ids: Vec<&str> = tv.column(0).as_string::<i32>().iter().flatten().collect();
+        assert_eq!(ids, ["e3", "e2"]);
+        let users: Vec<&str> = tv.column(1).as_string::<i32>().iter().flatten().collect();
+        assert_eq!(users, ["u2", "u1"]);
+        let offsets = tv
+            .column_by_name("source_offset")
+            .unwrap()
+            .as_primitive::<arrow_array::types::Int64Type>();
+        assert_eq!(offsets.values().to_vec(), [12, 11]);
+        let e = tv.column_by_name("embedding").unwrap().as_fixed_size_list();
+        assert_eq!(e.null_count(), 0);
+        assert_eq!(
+            e.value(0)
+                .as_primitive::<arrow_array::types::Float32Type>()
+                .values()
+                .to_vec(),
+            vec![0.5; EMBEDDING_DIM]
+        );
+        assert!(turn_vectors(&batch, &[3], &vec![0.0; EMBEDDING_DIM]).is_err());
+        assert!(turn_vectors(&batch, &[0], &[0.0; 3]).is_err());
+        assert_eq!(turn_vectors(&batch, &[], &[]).unwrap().num_rows(), 0);
     }
 }

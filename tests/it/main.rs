@@ -35,22 +35,20 @@ fn assert_tables(uri: &str, exp: &Expected) {
         exp.profiles as i64,
         "profiles rows"
     );
-    // Dialogue turns and items carry embeddings; clicks and purchases never do.
+    // Dialogue turns and items carry embeddings; clicks and purchases never
+    // do. A turn's vector is in turn_vectors, under its event id.
     assert_eq!(
-        sql_count(
-            uri,
-            "SELECT count(*) AS n FROM interactions WHERE embedding IS NOT NULL"
-        ),
+        sql_count(uri, "SELECT count(*) AS n FROM turn_vectors"),
         exp.dialogue as i64,
         "embedded dialogue turns"
     );
     assert_eq!(
         sql_count(
             uri,
-            "SELECT count(*) AS n FROM interactions WHERE embedding IS NOT NULL AND kind <> 'dialogue_turn'"
+            "SELECT count(*) AS n FROM turn_vectors v JOIN interactions i ON v.event_id = i.event_id WHERE i.kind = 'dialogue_turn' AND v.embedding IS NOT NULL"
         ),
-        0,
-        "clicks and purchases are not embedded"
+        exp.dialogue as i64,
+        "each vector belongs to a stored dialogue turn; clicks and purchases are not embedded"
     );
     assert_eq!(
         sql_count(

@@ -117,6 +117,10 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
         log.contains(r#""passages":3"#),
         "one window per turn: {log}"
     );
+    assert!(
+        log.contains(r#""turn_vectors":3"#),
+        "one vector per turn: {log}"
+    );
     assert_eq!(
         sql_text(
             &uri,
@@ -183,6 +187,7 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
         tables,
         [
             "interactions",
+            "turn_vectors",
             "profiles",
             "passages",
             "memories",
@@ -190,19 +195,26 @@ fn forgotten_users_are_gone_from_tables_prototypes_answers_and_disk() {
             "prototypes"
         ]
     );
-    // user0 never spoke, so the passages table (purged by the first forget)
-    // has no version to prune; every other table lost rows and old versions.
+    // user0 never spoke, so the turn tables (purged by the first forget)
+    // have no version to prune; every other table lost rows and old versions.
     assert_eq!(receipt["passages"], 0, "{receipt}");
+    assert_eq!(receipt["turn_vectors"], 0, "{receipt}");
     assert!(
         receipt["tables"]
             .as_array()
             .unwrap()
             .iter()
-            .filter(|t| t["table"] != "passages")
+            .filter(|t| t["table"] != "passages" && t["table"] != "turn_vectors")
             .all(|t| t["versions_pruned"].as_u64().unwrap() > 0),
         "{receipt}"
     );
-    for table in ["interactions", "profiles", "passages", "memories"] {
+    for table in [
+        "interactions",
+        "turn_vectors",
+        "profiles",
+        "passages",
+        "memories",
+    ] {
         assert_eq!(
             sql_count(
                 &uri,
@@ -872,7 +884,7 @@ fn embedding_endpoint_outages_delay_batches_but_lose_nothing() {
             sql_count(uri, "SELECT count(*) AS n FROM interactions"),
             sql_count(
                 uri,
-                "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn' AND embedding IS NOT NULL",
+                "SELECT count(*) AS n FROM turn_vectors v JOIN interactions i ON v.event_id = i.event_id WHERE i.kind = 'dialogue_turn'",
             ),
             sql_count(
                 uri,
@@ -981,7 +993,7 @@ fn texts_the_embedding_endpoint_refuses_are_dead_lettered_and_ingest_goes_on() {
     assert_eq!(
         sql_count(
             &uri,
-            "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn' AND embedding IS NOT NULL"
+            "SELECT count(*) AS n FROM turn_vectors v JOIN interactions i ON v.event_id = i.event_id WHERE i.kind = 'dialogue_turn'"
         ),
         37
     );

@@ -156,7 +156,6 @@ fn p50_p99(ms: &mut [f64]) -> (f64, f64) {
 }
 
 async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
-    let table = sink.table(TableName::Interactions).clone();
     let (tx, mut rx) = tokio::sync::mpsc::channel(2);
     let (users, per_user) = (b.users, b.rows_per_user);
     // Batches are built on a blocking thread while the previous one is written.
@@ -177,15 +176,20 @@ async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
     });
     let started = Instant::now();
     let mut rows = 0usize;
-    while let Some(batch) = rx.recv().await {
-        rows += batch.num_rows();
-        let schema = batch.schema();
-        table
-            .add(Box::new(RecordBatchIterator::new([Ok(batch)], schema))
-                as Box<dyn arrow_array::RecordBatchReader + Send>)
-            .execute()
-            .await
-            .map_err(Error::lance("appending turns"))?;
+    while let Some(batches) = rx.recv().await {
+        // Plain appends: the rows are new, no idempotency check needed.
+        for (name, batch) in batches.iter() {
+            let schema = batch.schema();
+            sink.table(name)
+                .add(
+                    Box::new(RecordBatchIterator::new([Ok(batch.clone())], schema))
+                        as Box<dyn arrow_array::RecordBatchReader + Send>,
+                )
+                .execute()
+                .await
+                .map_err(Error::lance(format!("appending {}", name.as_str())))?;
+        }
+        rows += batches.interactions.as_ref().map_or(0, |b| b.num_rows());
         if rows.is_multiple_of(BATCH * 20) {
             println!(
                 "tables: {rows} rows in {:.0}s",
@@ -197,11 +201,9 @@ async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
         .await
         .map_err(|e| internal(format!("building turns panicked: {e}")))??;
     let t = Instant::now();
-    crate::sink::ensure_btree(
-        &table,
-        crate::sink::indexed_columns(TableName::Interactions),
-    )
-    .await?;
+    for name in [TableName::Interactions, TableName::TurnVectors] {
+        crate::sink::ensure_btree(sink.table(name), crate::sink::indexed_columns(name)).await?;
+    }
     println!(
         "tables: {rows} rows written in {:.0}s, indexed in {:.0}s",
         started.elapsed().as_secs_f64(),
@@ -303,7 +305,7 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
         let v = vectors.fresh();
         let batch = turns(&[(u, turn)], offset, |_, _| v.clone())?;
         let want = format!("soak-u{u}-t{turn}");
-        sink.write(TableName::Interactions, &batch).await?;
+        super::soak::write_all(&sink, &batch).await?;
         let committed = Instant::now();
         loop {
             let (_, ids) = ask(&client, &base, u, &v).await?;

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use steamrf_schemas::{Provenance, TableBuilders, TableName, decode};
+use steamrf_schemas::{Provenance, TableBatches, TableBuilders, decode};
 
 use super::{Synth, internal, percentile, proc_status_bytes};
 use crate::config::LanceDbConfig;
@@ -57,13 +57,14 @@ pub struct SoakBench {
 const TOPICS: usize = 64;
 const MAX_OUTSTANDING: usize = 512;
 
-/// Turns `ids` (user, turn) as an `interactions` batch (user `u<user>`,
-/// event `soak-u<user>-t<turn>`) with vectors from `vector(user, turn)`.
+/// Turns `ids` (user, turn) as `interactions` rows (user `u<user>`, event
+/// `soak-u<user>-t<turn>`) and their `turn_vectors` rows, with vectors from
+/// `vector(user, turn)`.
 pub(super) fn turns(
     ids: &[(usize, usize)],
     first_offset: i64,
     mut vector: impl FnMut(usize, usize) -> Vec<f32>,
-) -> Result<arrow_array::RecordBatch> {
+) -> Result<TableBatches> {
     let mut builders = TableBuilders::default();
     let mut vectors = Vec::with_capacity(ids.len() * steamrf_schemas::tables::EMBEDDING_DIM);
     for (i, &(u, r)) in ids.iter().enumerate() {
@@ -84,14 +85,24 @@ pub(super) fn turns(
         );
         vectors.extend(vector(u, r));
     }
-    let batch = builders
-        .finish()?
+    let mut out = builders.finish()?;
+    let batch = out
         .interactions
+        .as_ref()
         .ok_or_else(|| internal("no interactions built"))?;
     let rows: Vec<usize> = (0..batch.num_rows()).collect();
-    Ok(steamrf_schemas::tables::with_embeddings(
-        &batch, &rows, &vectors,
-    )?)
+    out.turn_vectors = Some(steamrf_schemas::tables::turn_vectors(
+        batch, &rows, &vectors,
+    )?);
+    Ok(out)
+}
+
+/// Writes every table of `batches` through `sink`.
+pub(super) async fn write_all(sink: &LanceSink, batches: &TableBatches) -> Result<()> {
+    for (t, rows) in batches.iter() {
+        sink.write(t, rows).await?;
+    }
+    Ok(())
 }
 
 /// A user's turns spread over three topics.
@@ -238,7 +249,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
     let mut offset = 0i64;
     for chunk in ids.chunks(50_000) {
         let batch = turns(chunk, offset, |u, r| synth.memory(topic_of(u, r)))?;
-        sink.write(TableName::Interactions, &batch).await?;
+        write_all(&sink, &batch).await?;
         offset += chunk.len() as i64;
     }
     // Progress goes straight to stdout; the returned lines are the summary.
@@ -308,7 +319,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
                     .collect();
                 let batch = turns(&ids, offset, |u, r| synth.memory(topic_of(u, r)))?;
                 offset += ids.len() as i64;
-                sink.write(TableName::Interactions, &batch).await?;
+                write_all(&sink, &batch).await?;
             }
             Ok::<(), Error>(())
         })

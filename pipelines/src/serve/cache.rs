@@ -513,17 +513,20 @@ const INTERACTION_COLUMNS: &[&str] = &[
     "session_id",
     "role",
     "text",
-    "embedding",
     "source_partition",
     "source_offset",
 ];
+
+/// The `turn_vectors` columns a corpus is built from.
+const TURN_VECTOR_COLUMNS: &[&str] = &["event_id", "embedding"];
 
 /// The `passages` columns a corpus is built from, in the order `build` reads them.
 const PASSAGE_COLUMNS: &[&str] = &["event_id", "session_id", "first_event_id", "embedding"];
 
 /// Every table whose version is watched, in a fixed order.
-pub const TABLES: [&str; 6] = [
+pub const TABLES: [&str; 7] = [
     "interactions",
+    "turn_vectors",
     "items",
     "memories",
     "memory_links",
@@ -827,8 +830,9 @@ impl Loader for Tables {
                     Ok(Vec::new())
                 }
             };
-            let (interactions, memories, passages) = futures::try_join!(
+            let (interactions, turn_vectors, memories, passages) = futures::try_join!(
                 self.query("interactions", INTERACTION_COLUMNS, Some(filter.clone())),
+                self.query("turn_vectors", TURN_VECTOR_COLUMNS, Some(filter.clone())),
                 self.query(
                     "memories",
                     crate::steam::MEMORY_COLUMNS,
@@ -840,7 +844,12 @@ impl Loader for Tables {
             for b in &memories {
                 mems.extend(crate::steam::memories_from(b)?);
             }
-            build_user(cfg, &snap.items, user_id, &interactions, &passages, mems)
+            let rows = UserRows {
+                interactions: &interactions,
+                turn_vectors: &turn_vectors,
+                passages: &passages,
+            };
+            build_user(cfg, &snap.items, user_id, rows, mems)
         })
     }
 
@@ -973,9 +982,18 @@ pub fn vector_store(cfg: &ServeConfig, flat: Vec<f32>, min_rows: usize) -> Resul
     })
 }
 
-/// One user's [`UserData`] from their `interactions` rows (columns
-/// [`INTERACTION_COLUMNS`]), `passages` rows ([`PASSAGE_COLUMNS`]) and
-/// memories.
+/// One user's stored rows, as [`build_user`] reads them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UserRows<'a> {
+    /// `interactions` rows (columns [`INTERACTION_COLUMNS`]).
+    pub interactions: &'a [RecordBatch],
+    /// `turn_vectors` rows (columns [`TURN_VECTOR_COLUMNS`]).
+    pub turn_vectors: &'a [RecordBatch],
+    /// `passages` rows (columns [`PASSAGE_COLUMNS`]).
+    pub passages: &'a [RecordBatch],
+}
+
+/// One user's [`UserData`] from their stored rows and memories.
 ///
 /// # Errors
 /// Vectors of the wrong length.
@@ -983,10 +1001,24 @@ pub fn build_user(
     cfg: &ServeConfig,
     catalogue: &HashMap<String, ItemInfo>,
     user_id: &str,
-    interactions: &[RecordBatch],
-    passages: &[RecordBatch],
+    stored: UserRows<'_>,
     memories: Vec<Memory>,
 ) -> Result<UserData> {
+    let UserRows {
+        interactions,
+        turn_vectors,
+        passages,
+    } = stored;
+    // Each dialogue turn's vector, by event id.
+    let mut turn_vector: HashMap<&str, &[f32]> = HashMap::new();
+    for b in turn_vectors {
+        let ids = b.column(0).as_string::<i32>();
+        for r in 0..b.num_rows() {
+            if let Some(v) = vector(b.column(1), r) {
+                turn_vector.insert(ids.value(r), v);
+            }
+        }
+    }
     let want = |k: CorpusKind| cfg.kinds.contains(&k);
     let mut rows: Vec<Row> = Vec::new();
     let mut unresolved = false;
@@ -995,11 +1027,12 @@ pub fn build_user(
         let event = b.column(0).as_string::<i32>();
         let kind = b.column(1).as_string::<i32>();
         let ts = b.column(3).as_primitive::<TimestampMillisecondType>();
-        let part = b.column(9).as_primitive::<Int32Type>();
-        let offset = b.column(10).as_primitive::<Int64Type>();
+        let part = b.column(8).as_primitive::<Int32Type>();
+        let offset = b.column(9).as_primitive::<Int64Type>();
         for r in 0..b.num_rows() {
             let source = Some((part.value(r), offset.value(r)));
-            if let (Some(text), Some(e)) = (opt_str(b.column(7), r), vector(b.column(8), r)) {
+            let e = turn_vector.get(event.value(r)).copied();
+            if let (Some(text), Some(e)) = (opt_str(b.column(7), r), e) {
                 let (as_passage, as_turn) = (want(CorpusKind::Passage), want(CorpusKind::Dialogue));
                 if !as_passage && !as_turn {
                     continue;
@@ -1212,7 +1245,7 @@ fn internal(e: impl std::fmt::Display) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use steamrf_schemas::tables::with_embeddings;
+    use steamrf_schemas::tables::{turn_vectors, with_embeddings};
     use steamrf_schemas::{Provenance, TableBuilders, decode};
 
     use super::*;
@@ -1233,8 +1266,9 @@ mod tests {
     }
 
     /// Dialogue turns (two sessions), a click on an embedded item and one
-    /// on an unknown item, as the tables hold them.
-    fn tables() -> (RecordBatch, RecordBatch) {
+    /// on an unknown item, as the tables hold them: `interactions`,
+    /// `turn_vectors`, `items`.
+    fn tables() -> (RecordBatch, RecordBatch, RecordBatch) {
         let events = [
             r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t2","timestamp":2000,"user_id":"u","session_id":"s1","role":"assistant","text":"Try Blue Train."}"#,
             r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t1","timestamp":1000,"user_id":"u","session_id":"s1","role":"user","text":"More Coltrane?"}"#,
@@ -1256,10 +1290,12 @@ mod tests {
         let mut vecs = axis(0);
         vecs.extend(axis(1));
         vecs.extend(axis(2));
-        let inter = with_embeddings(&t.interactions.unwrap(), &[0, 1, 2], &vecs).unwrap();
+        let inter = t.interactions.unwrap();
+        let tv = turn_vectors(&inter, &[0, 1, 2], &vecs).unwrap();
         let items = with_embeddings(&t.items.unwrap(), &[0], &axis(3)).unwrap();
         (
             project(&inter, INTERACTION_COLUMNS),
+            project(&tv, TURN_VECTOR_COLUMNS),
             project(&items, &["item_id", "title", "embedding"]),
         )
     }
@@ -1272,10 +1308,15 @@ mod tests {
             CorpusKind::Dialogue,
             CorpusKind::Interaction,
         ];
-        let (inter, items) = tables();
+        let (inter, tv, items) = tables();
         let items = catalogue(&[items]);
+        let stored = UserRows {
+            interactions: &[inter],
+            turn_vectors: &[tv],
+            passages: &[],
+        };
         (
-            build_user(&cfg, &items, "u", &[inter], &[], Vec::new()).unwrap(),
+            build_user(&cfg, &items, "u", stored, Vec::new()).unwrap(),
             items,
         )
     }
@@ -1287,7 +1328,7 @@ mod tests {
         // The default view: sessions with their windows, and interactions.
         let cfg = Config::load_with_env(None, []).unwrap().serve;
         assert!(cfg.kinds.contains(&CorpusKind::Passage));
-        let (inter, items) = tables();
+        let (inter, tv, items) = tables();
         let items = catalogue(&[items]);
         let schema = Arc::new(arrow_schema::Schema::new(
             PASSAGE_COLUMNS
@@ -1314,7 +1355,12 @@ mod tests {
             ],
         )
         .unwrap();
-        let u = build_user(&cfg, &items, "u", &[inter], &[passages], Vec::new()).unwrap();
+        let stored = UserRows {
+            interactions: &[inter],
+            turn_vectors: &[tv],
+            passages: &[passages],
+        };
+        let u = build_user(&cfg, &items, "u", stored, Vec::new()).unwrap();
         let c = &u.corpus;
         let sessions: Vec<&str> = c
             .entries
@@ -1433,7 +1479,8 @@ mod tests {
         assert_eq!(u.entries.len(), 3, "two sessions and a click");
     }
 
-    fn turn(user: &str, id: &str, offset: i64) -> RecordBatch {
+    /// Writes one dialogue turn with its vector.
+    async fn write_turn(sink: &crate::sink::LanceSink, user: &str, id: &str, offset: i64) {
         let json = format!(
             r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{offset},"user_id":"{user}","session_id":"s","role":"user","text":"turn {id}"}}"#
         );
@@ -1446,8 +1493,12 @@ mod tests {
                 ingested_at_ms: 0,
             },
         );
-        let t = b.finish().unwrap();
-        with_embeddings(&t.interactions.unwrap(), &[0], &axis(offset as usize % 8)).unwrap()
+        let inter = b.finish().unwrap().interactions.unwrap();
+        let tv = turn_vectors(&inter, &[0], &axis(offset as usize % 8)).unwrap();
+        let t = steamrf_schemas::TableName::Interactions;
+        sink.write(t, &inter).await.unwrap();
+        let t = steamrf_schemas::TableName::TurnVectors;
+        sink.write(t, &tv).await.unwrap();
     }
 
     fn users(batches: &[RecordBatch]) -> Vec<String> {
@@ -1513,9 +1564,9 @@ mod tests {
             .await
             .unwrap();
         let t = TableName::Interactions;
-        sink.write(t, &turn("ann", "a1", 1)).await.unwrap();
-        sink.write(t, &turn("o'brien", "o1", 2)).await.unwrap();
-        sink.write(t, &turn("ben", "b1", 3)).await.unwrap();
+        write_turn(&sink, "ann", "a1", 1).await;
+        write_turn(&sink, "o'brien", "o1", 2).await;
+        write_turn(&sink, "ben", "b1", 3).await;
         let tables = Tables::new(crate::sink::connect(&config.lancedb).await.unwrap());
         let v1 = tables.versions().await.unwrap()["interactions"];
         let snap = tables.load_shared().await.unwrap();
@@ -1527,7 +1578,7 @@ mod tests {
         assert_eq!(rows(&tables, cfg, &snap, "nobody").await, 0);
 
         // An append names its user only.
-        sink.write(t, &turn("ann", "a2", 4)).await.unwrap();
+        write_turn(&sink, "ann", "a2", 4).await;
         let v2 = tables.versions().await.unwrap()["interactions"];
         assert!(v2 > v1);
         assert_eq!(changed_users(&tables, v1).await, ["ann"]);
@@ -1564,7 +1615,8 @@ mod tests {
 
     fn sized(bytes: usize, unresolved: bool) -> Arc<UserData> {
         let cfg = Config::load_with_env(None, []).unwrap().serve;
-        let mut u = build_user(&cfg, &HashMap::new(), "x", &[], &[], Vec::new()).unwrap();
+        let mut u =
+            build_user(&cfg, &HashMap::new(), "x", UserRows::default(), Vec::new()).unwrap();
         u.bytes = bytes;
         u.unresolved = unresolved;
         Arc::new(u)

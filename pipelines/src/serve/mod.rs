@@ -1386,6 +1386,7 @@ async fn refresh(
         }
         for (table, columns) in [
             ("interactions", &["user_id"][..]),
+            ("turn_vectors", &["user_id"][..]),
             ("memories", &["user_id", "memory_id"][..]),
             ("passages", &["user_id"][..]),
         ] {

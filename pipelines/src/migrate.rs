@@ -1,0 +1,260 @@
+//! `steamrf migrate`: brings tables written by an earlier steamrf to the
+//! schema this build writes. Ingest and the STEAM stage refuse an
+//! unmigrated table by name and say to run it ([`pending`]).
+//!
+//! One migration so far: **vectors out of `interactions`**. Until
+//! 2026-12, `interactions` carried a 384-float `embedding` column, null on
+//! every click and purchase. It cost each click row 1,536 bytes in memory
+//! and made every idempotent write join over it (about 3x the merge time of
+//! the same rows without it). Now the vectors of dialogue turns live in
+//! `turn_vectors`, keyed by the turn's `event_id`. The migration
+//! 1. copies every non-null `interactions.embedding` into `turn_vectors`
+//!    (insert if absent, so it can be run again after a crash), then
+//! 2. drops the column from `interactions` (a metadata-only commit in
+//!    Lance: the old data files are left in place until the next
+//!    `optimize`/cleanup).
+//!
+//! Stop every ingest instance first; `serve` may keep running (it reads
+//! columns by name, and finds the turn vectors in `turn_vectors` after
+//! step 1).
+
+use arrow_array::{RecordBatch, RecordBatchIterator};
+use arrow_schema::Schema;
+use futures::TryStreamExt;
+use lancedb::query::{ExecutableQuery, QueryBase, Select};
+use steamrf_schemas::TableName;
+
+use crate::config::LanceDbConfig;
+use crate::error::{Error, Result};
+
+/// Rows per `turn_vectors` write while copying.
+const COPY_ROWS: usize = 8192;
+
+/// What [`migrate`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Report {
+    /// Turn vectors found in `interactions.embedding`.
+    pub turn_vectors_found: u64,
+    /// Of those, rows inserted into `turn_vectors` (the rest were there).
+    pub turn_vectors_inserted: u64,
+    /// Columns dropped, as `table.column`.
+    pub dropped: Vec<String>,
+}
+
+/// The problem to report when table `name` exists with `actual`, a schema
+/// an earlier steamrf wrote that [`migrate`] upgrades; `None` for any other
+/// mismatch.
+pub fn pending(name: &str, actual: &Schema) -> Option<String> {
+    (name == TableName::Interactions.as_str() && actual.field_with_name("embedding").is_ok()).then(
+        || {
+            "table interactions was written by an earlier steamrf: it still holds the \
+             turn vectors in its `embedding` column, which now live in `turn_vectors`. \
+             Stop every ingest instance and run `steamrf migrate` (same config) once; \
+             it copies the vectors and drops the column."
+                .to_owned()
+        },
+    )
+}
+
+/// Runs every pending migration on the database `cfg` names (module docs).
+/// Idempotent: on an up-to-date database it changes nothing.
+///
+/// # Errors
+/// LanceDB failures; the migration can then simply be run again.
+pub async fn migrate(cfg: &LanceDbConfig) -> Result<Report> {
+    let db = crate::sink::connect(cfg).await?;
+    let mut report = Report::default();
+    let interactions = match db
+        .open_table(TableName::Interactions.as_str())
+        .execute()
+        .await
+    {
+        Ok(t) => t,
+        Err(lancedb::Error::TableNotFound { .. }) => return Ok(report),
+        Err(e) => return Err(Error::lance("opening interactions")(e)),
+    };
+    let schema = interactions
+        .schema()
+        .await
+        .map_err(Error::lance("reading the schema of interactions"))?;
+    if pending(TableName::Interactions.as_str(), &schema).is_none() {
+        return Ok(report);
+    }
+    let vectors = crate::sink::open_or_create(&db, TableName::TurnVectors).await?;
+    let target = TableName::TurnVectors.schema();
+    let columns: Vec<&str> = target.fields().iter().map(|f| f.name().as_str()).collect();
+    let mut stream = interactions
+        .query()
+        .only_if("embedding IS NOT NULL")
+        .select(Select::columns(&columns))
+        .execute()
+        .await
+        .map_err(Error::lance("reading interactions"))?;
+    let mut pending_rows: Vec<RecordBatch> = Vec::new();
+    let mut held = 0;
+    while let Some(b) = stream
+        .try_next()
+        .await
+        .map_err(Error::lance("reading interactions"))?
+    {
+        held += b.num_rows();
+        // The columns in `turn_vectors`' order, under its schema.
+        pending_rows.push(RecordBatch::try_new(target.clone(), b.columns().to_vec())?);
+        if held >= COPY_ROWS {
+            copy(&vectors, std::mem::take(&mut pending_rows), &mut report).await?;
+            held = 0;
+        }
+    }
+    copy(&vectors, pending_rows, &mut report).await?;
+    interactions
+        .drop_columns(&["embedding"])
+        .await
+        .map_err(Error::lance("dropping interactions.embedding"))?;
+    report.dropped.push("interactions.embedding".into());
+    tracing::info!(
+        found = report.turn_vectors_found,
+        inserted = report.turn_vectors_inserted,
+        "Migrated: turn vectors moved from interactions to turn_vectors."
+    );
+    Ok(report)
+}
+
+/// Inserts the rows of `batches` that `turn_vectors` lacks.
+async fn copy(
+    table: &lancedb::Table,
+    batches: Vec<RecordBatch>,
+    report: &mut Report,
+) -> Result<()> {
+    let rows: usize = batches.iter().map(RecordBatch::num_rows).sum();
+    if rows == 0 {
+        return Ok(());
+    }
+    let batch = arrow_select::concat::concat_batches(&TableName::TurnVectors.schema(), &batches)?;
+    let batch = crate::sink::dedup(TableName::TurnVectors, &batch)?;
+    let mut merge = table.merge_insert(&["event_id"]);
+    merge.when_not_matched_insert_all();
+    let schema = batch.schema();
+    let r = merge
+        .execute(Box::new(RecordBatchIterator::new([Ok(batch)], schema)))
+        .await
+        .map_err(Error::lance("writing turn_vectors"))?;
+    report.turn_vectors_found += rows as u64;
+    report.turn_vectors_inserted += r.num_inserted_rows;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::cast::AsArray;
+    use arrow_schema::Field;
+    use steamrf_schemas::tables::{embedding_field, turn_vectors};
+    use steamrf_schemas::{Provenance, TableBuilders, decode};
+
+    use super::*;
+    use crate::sink::LanceSink;
+
+    /// `interactions` as steamrf wrote it before the split: the current
+    /// columns with `embedding` after `text`, set on the turns.
+    fn old_interactions() -> (RecordBatch, Vec<f32>) {
+        let events = [
+            r#"{"type":"click","schema_version":1,"event_id":"c1","timestamp":1000,"user_id":"u","item_id":"i1"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t'1","timestamp":2000,"user_id":"u","session_id":"s","role":"user","text":"jazz"}"#,
+            r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t2","timestamp":3000,"user_id":"v","session_id":"s","role":"user","text":"blues"}"#,
+        ];
+        let mut b = TableBuilders::default();
+        for (i, e) in events.iter().enumerate() {
+            let p = Provenance {
+                partition: 0,
+                offset: i as i64,
+                ingested_at_ms: 0,
+            };
+            b.append(&decode(e.as_bytes()).unwrap(), p);
+        }
+        let now = b.finish().unwrap().interactions.unwrap();
+        let mut vectors = vec![0.25f32; steamrf_schemas::tables::EMBEDDING_DIM];
+        vectors.extend(vec![-0.5f32; steamrf_schemas::tables::EMBEDDING_DIM]);
+        let tv = turn_vectors(&now, &[1, 2], &vectors).unwrap();
+        // The old column: null on the click, the vectors on the turns.
+        let emb = tv.column_by_name("embedding").unwrap().as_fixed_size_list();
+        let emb = arrow_select::interleave::interleave(
+            &[
+                &arrow_array::new_null_array(embedding_field().data_type(), 1),
+                emb as &dyn arrow_array::Array,
+            ],
+            &[(0, 0), (1, 0), (1, 1)],
+        )
+        .unwrap();
+        let at = now.schema().index_of("text").unwrap() + 1;
+        let mut fields: Vec<Field> = now
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| (**f).clone())
+            .collect();
+        fields.insert(at, embedding_field());
+        let mut cols = now.columns().to_vec();
+        cols.insert(at, emb);
+        let old = RecordBatch::try_new(Arc::new(Schema::new(fields)), cols).unwrap();
+        (old, vectors)
+    }
+
+    fn config(dir: &std::path::Path) -> LanceDbConfig {
+        let mut cfg = crate::config::Config::load_with_env(None, [])
+            .unwrap()
+            .lancedb;
+        cfg.uri = dir.to_string_lossy().into_owned();
+        cfg
+    }
+
+    #[tokio::test]
+    async fn old_interactions_are_refused_then_migrated_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path());
+        let db = crate::sink::connect(&cfg).await.unwrap();
+        let (old, vectors) = old_interactions();
+        let schema = old.schema();
+        let reader: Box<dyn arrow_array::RecordBatchReader + Send> =
+            Box::new(RecordBatchIterator::new([Ok(old)], schema));
+        db.create_table("interactions", reader)
+            .execute()
+            .await
+            .unwrap();
+        // Ingest refuses it, and says what to run.
+        let err = LanceSink::open(&cfg, crate::metrics::Metrics::new(&[]))
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("steamrf migrate"), "{err}");
+
+        let r = migrate(&cfg).await.unwrap();
+        assert_eq!(r.turn_vectors_found, 2);
+        assert_eq!(r.turn_vectors_inserted, 2);
+        assert_eq!(r.dropped, ["interactions.embedding"]);
+        // Now it opens, every row is kept, and the vectors are where the
+        // embed stage looks for them.
+        let sink = LanceSink::open(&cfg, crate::metrics::Metrics::new(&[]))
+            .await
+            .unwrap();
+        let rows = sink
+            .table(TableName::Interactions)
+            .count_rows(None)
+            .await
+            .unwrap();
+        assert_eq!(rows, 3);
+        let stored = sink.stored_vectors(&["t'1", "t2", "c1"]).await.unwrap();
+        assert_eq!(stored.len(), 2);
+        assert_eq!(stored["t'1"], vectors[..384]);
+        assert_eq!(stored["t2"], vectors[384..]);
+        // A second run finds nothing to do.
+        assert_eq!(migrate(&cfg).await.unwrap(), Report::default());
+        // And an empty database is no error.
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(
+            migrate(&config(empty.path())).await.unwrap(),
+            Report::default()
+        );
+    }
+}
