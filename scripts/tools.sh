@@ -146,11 +146,17 @@ chmod +x "$TOOLS/bin/kcat"
 # backend and no build isolation, and cached outside the clone, like the cargo
 # target dir ($STEAMRF_CACHE, default ~/.cache/steamrf), so a new clone or a
 # re-created venv does not build it again. The other packages are binary wheels.
+# It is built for a fixed instruction set (AVX2, FMA, F16C), not llama.cpp's
+# default -march=native: a native build on a machine with AMX (Sapphire Rapids)
+# died with a general protection fault in libggml-cpu on its first completion
+# (2026-12-02), and a wheel cached on one machine must not assume another's CPU.
 LLAMA_VERSION=0.3.36
 LLAMA_SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMA_FLAVOUR=avx2
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 CACHE="${STEAMRF_CACHE:-${HOME:-/root}/.cache/steamrf}"
 LLM_REQS=scripts/requirements/llm.txt
-llm_sha=$(sha256sum "$LLM_REQS" | cut -d' ' -f1)
+llm_sha="$(sha256sum "$LLM_REQS" | cut -d' ' -f1)-$LLAMA_FLAVOUR"
 if [ ! -x "$TOOLS/llm-venv/bin/python" ] || [ "$(cat "$TOOLS/llm-venv/.requirements.sha256" 2>/dev/null)" != "$llm_sha" ]; then
   echo "steamrf: creating the LLM server venv ($LLM_REQS)"
   rm -rf "$TOOLS/llm-venv"
@@ -160,7 +166,7 @@ if [ ! -x "$TOOLS/llm-venv/bin/python" ] || [ "$(cat "$TOOLS/llm-venv/.requireme
   awk '/^llama-cpp-python==/ {skip=1; next} skip && /^    / {next} {skip=0; print}' "$LLM_REQS" > "$deps"
   "$TOOLS/llm-venv/bin/pip" install -q --require-hashes --only-binary=:all: -r "$deps"
   rm -f "$deps"
-  wheel_dir="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_SDIST_SHA256"
+  wheel_dir="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_SDIST_SHA256-$LLAMA_FLAVOUR"
   if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "steamrf: building llama-cpp-python $LLAMA_VERSION (once; cached in $wheel_dir)"
     t0=$(date +%s)
@@ -168,7 +174,7 @@ if [ ! -x "$TOOLS/llm-venv/bin/python" ] || [ "$(cat "$TOOLS/llm-venv/.requireme
     python3 -m pip download --no-deps --no-binary=:all: -q "llama-cpp-python==$LLAMA_VERSION" -d "$src"
     echo "$LLAMA_SDIST_SHA256  $src/llama_cpp_python-$LLAMA_VERSION.tar.gz" | sha256sum -c --quiet
     log="$src/build.log"
-    if ! CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$TOOLS/llm-venv/bin/pip" wheel --no-deps \
+    if ! CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$TOOLS/llm-venv/bin/pip" wheel --no-deps \
          --no-build-isolation -w "$src/out" "$src/llama_cpp_python-$LLAMA_VERSION.tar.gz" >"$log" 2>&1; then
       tail -n 40 "$log" >&2; echo "steamrf: building llama-cpp-python failed (log: $log)" >&2; exit 1
     fi
