@@ -519,6 +519,18 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
             "  dialogue turns: {} stored, {:.0} turns/s first record → last commit; {} texts embedded (turns and their passage windows); the embedder alone on {} of the same turn texts: {:.0} texts/s; ratio {:.3}",
             t.turns, t.turns_per_s, t.embedded, t.sample, t.embedder_per_s, t.turns_per_s / t.embedder_per_s
         ));
+        let stage = metrics.operator_duration.with_label_values(&["embed"]);
+        out.push(format!(
+            "  embed stage: {:.1} s over {} batches, of which {:.1} s inside {} embedding calls (turns and windows, one after the other)",
+            stage.get_sample_sum(),
+            stage.get_sample_count(),
+            metrics.embed_duration.get_sample_sum(),
+            metrics.embed_duration.get_sample_count()
+        ));
+        out.push(format!(
+            "  per text embedded: the pipeline {:.0} texts/s; the embedder alone on a sample of the same texts (turns and windows as stored, in the pipeline's proportion) {:.0} texts/s; ratio {:.3}",
+            t.texts_per_s, t.embedder_mix_per_s, t.texts_per_s / t.embedder_mix_per_s
+        ));
     }
     let first_commit_s = first_commit.map_or(f64::NAN, |c| c.duration_since(first).as_secs_f64());
     out.push(format!(
@@ -565,10 +577,13 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     ));
     let turn_keys = turns.map_or_else(String::new, |t| {
         format!(
-            " turns_share={turns_share} turns_per_s={:.1} embedder_texts_per_s={:.1} turns_ratio={:.3}",
+            " turns_share={turns_share} turns_per_s={:.1} embedder_texts_per_s={:.1} turns_ratio={:.3} texts_per_s={:.1} embedder_mix_texts_per_s={:.1} texts_ratio={:.3}",
             t.turns_per_s,
             t.embedder_per_s,
-            t.turns_per_s / t.embedder_per_s
+            t.turns_per_s / t.embedder_per_s,
+            t.texts_per_s,
+            t.embedder_mix_per_s,
+            t.texts_per_s / t.embedder_mix_per_s
         )
     });
     out.push(format!(
@@ -741,11 +756,17 @@ struct TurnRates {
     sample: usize,
     /// The embedder's own rate on them, texts/s.
     embedder_per_s: f64,
+    /// Texts the pipeline embedded per second, first record → last commit.
+    texts_per_s: f64,
+    /// The embedder's own rate on a sample of the texts the pipeline
+    /// embedded (stored turn texts and passage windows, in the pipeline's
+    /// proportion), texts/s.
+    embedder_mix_per_s: f64,
 }
 
 /// Counts the stored turns and times the embedder alone on the same turn
-/// texts (up to 4,000 of them), as the embed stage calls it: batches of the
-/// configured size, all submitted at once.
+/// texts (up to 4,000 of them), and on a sample of every text the pipeline
+/// embedded; each in one call, the embedder's best.
 async fn turn_rates(
     config: &Config,
     n: u64,
@@ -773,13 +794,45 @@ async fn turn_rates(
         .take(4000)
         .map(bench_turn_text)
         .collect();
-    let timed = time_embedder(&config.embed, &texts, config.embed.batch_size, 1).await?;
+    // One call: the embedder's best on these texts (sorted by length into
+    // forward passes, every worker busy).
+    let timed = time_embedder(&config.embed, &texts, texts.len(), 1).await?;
+    // The same work the pipeline did: its turn texts and its windows, as
+    // stored, in the proportion it embedded them.
+    use arrow_array::cast::AsArray;
+    let embedded = metrics.total_texts_embedded();
+    let windows = crate::sql::query(
+        &config.lancedb,
+        "SELECT text FROM passages ORDER BY event_id LIMIT 4000",
+    )
+    .await?;
+    let windows: Vec<String> = windows
+        .iter()
+        .flat_map(|b| {
+            b.column(0)
+                .as_string::<i32>()
+                .iter()
+                .flatten()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let share = embedded.saturating_sub(turns) as f64 / embedded.max(1) as f64;
+    let k = ((texts.len() as f64 * share).round() as usize).min(windows.len());
+    let mix: Vec<String> = texts[..texts.len() - k]
+        .iter()
+        .chain(&windows[..k])
+        .cloned()
+        .collect();
+    let mixed = time_embedder(&config.embed, &mix, mix.len(), 1).await?;
     Ok(TurnRates {
         turns,
         turns_per_s: turns as f64 / secs,
-        embedded: metrics.total_texts_embedded(),
+        embedded,
         sample: texts.len(),
         embedder_per_s: texts.len() as f64 / timed.secs,
+        texts_per_s: embedded as f64 / secs,
+        embedder_mix_per_s: mix.len() as f64 / mixed.secs,
     })
 }
 
@@ -796,8 +849,8 @@ struct Timed {
 }
 
 /// Loads the local engine of `cfg`, warms it up, then embeds `texts` `runs`
-/// times as the pipeline's stage does: chunks of `chunk` texts, all
-/// submitted at once, the workers taking them in turn.
+/// times: calls of `chunk` texts, all submitted at once (each call is cut
+/// into forward passes that the workers take in turn).
 async fn time_embedder(
     cfg: &crate::config::EmbedConfig,
     texts: &[String],

@@ -146,6 +146,11 @@ impl MiniLm {
         self.dim
     }
 
+    /// Texts per forward pass at most ([`MiniLmOptions::batch_size`]).
+    pub fn batch_size(&self) -> usize {
+        self.opts.batch_size.max(1)
+    }
+
     /// The model directory's name.
     pub fn model_id(&self) -> &str {
         &self.model_id

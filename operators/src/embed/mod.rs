@@ -183,11 +183,14 @@ struct Job {
 
 /// Runs a [`MiniLm`] on dedicated worker threads behind a bounded queue.
 ///
-/// `embed` awaits a free slot in the queue (back-pressure) and then the
-/// result; the async runtime's threads never run the model.
+/// `embed` cuts its texts into jobs of one forward pass each (shortest
+/// texts together, so a pass pads little), awaits free slots in the queue
+/// (back-pressure) and then the results; so one call keeps every worker
+/// busy, and the async runtime's threads never run the model.
 pub struct LocalEmbedder {
     model_id: String,
     dim: usize,
+    batch_size: usize,
     jobs: tokio::sync::mpsc::Sender<Job>,
     stats: Arc<EmbedStats>,
 }
@@ -243,6 +246,7 @@ impl LocalEmbedder {
         Ok(Self {
             model_id: model.model_id().to_owned(),
             dim: model.dim(),
+            batch_size: model.batch_size(),
             jobs: tx,
             stats,
         })
@@ -260,19 +264,39 @@ impl Embedder for LocalEmbedder {
 
     fn embed(&self, texts: Vec<String>) -> BoxFuture<'static, Result<Embeddings, EmbedError>> {
         let jobs = self.jobs.clone();
-        let dim = self.dim;
+        let (dim, batch) = (self.dim, self.batch_size);
         Box::pin(async move {
-            if texts.is_empty() {
-                return Ok(Embeddings {
-                    dim,
-                    ..Embeddings::default()
-                });
+            let n = texts.len();
+            let mut out = Embeddings {
+                dim,
+                vectors: vec![0.0; n * dim],
+                ..Embeddings::default()
+            };
+            if n == 0 {
+                return Ok(out);
             }
-            let (reply, rx) = tokio::sync::oneshot::channel();
-            jobs.send(Job { texts, reply })
-                .await
-                .map_err(|_| EmbedError::Closed)?;
-            rx.await.map_err(|_| EmbedError::Closed)?
+            // Jobs of one forward pass, by length (bytes stand in for tokens).
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&i| texts[i].len());
+            let mut texts: Vec<Option<String>> = texts.into_iter().map(Some).collect();
+            let mut pending = Vec::with_capacity(n.div_ceil(batch));
+            for rows in order.chunks(batch) {
+                let (reply, rx) = tokio::sync::oneshot::channel();
+                let job: Vec<String> = rows.iter().filter_map(|&i| texts[i].take()).collect();
+                jobs.send(Job { texts: job, reply })
+                    .await
+                    .map_err(|_| EmbedError::Closed)?;
+                pending.push((rows, rx));
+            }
+            for (rows, rx) in pending {
+                let part = rx.await.map_err(|_| EmbedError::Closed)??;
+                out.tokens += part.tokens;
+                out.truncated += part.truncated;
+                for (&i, v) in rows.iter().zip(part.vectors.chunks(dim)) {
+                    out.vectors[i * dim..(i + 1) * dim].copy_from_slice(v);
+                }
+            }
+            Ok(out)
         })
     }
 

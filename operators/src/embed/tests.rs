@@ -155,6 +155,31 @@ fn local_embedder_runs_off_the_runtime_and_keeps_order() {
     assert_eq!(emb.stats().truncated.load(Ordering::Relaxed), 1);
 }
 
+#[test]
+fn one_call_is_cut_into_forward_passes_for_every_worker_and_keeps_order() {
+    let r = reference();
+    let m = MiniLm::load(
+        &model_dir(),
+        MiniLmOptions {
+            batch_size: 3,
+            ..MiniLmOptions::default()
+        },
+    )
+    .unwrap();
+    // A queue of one job: the call's jobs wait for each other's slots.
+    let emb = LocalEmbedder::start(m, 2, 1).unwrap();
+    let rt = runtime();
+    let out = rt.block_on(emb.embed(r.sentences.clone())).unwrap();
+    assert_eq!(out.len(), r.sentences.len());
+    for (i, want) in r.vectors.iter().enumerate() {
+        check_parity(out.row(i), want, &format!("one call, #{i}"));
+    }
+    assert_eq!(out.truncated, 1);
+    assert_eq!(emb.stats().texts.load(Ordering::Relaxed), 20);
+    let tokens: u64 = r.token_ids.iter().map(|t| t.len() as u64).sum();
+    assert_eq!(out.tokens, tokens, "every job's tokens are summed");
+}
+
 // --- The remote client against a local fake OpenAI-compatible server. ---
 
 #[derive(Default)]
