@@ -521,7 +521,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         ));
         let stage = metrics.operator_duration.with_label_values(&["embed"]);
         out.push(format!(
-            "  embed stage: {:.1} s over {} batches, of which {:.1} s inside {} embedding calls (turns and windows, one after the other)",
+            "  embed stage: {:.1} s over {} batches, of which {:.1} s inside {} embedding calls (the turns and their windows run at once, so the sum can exceed the stage)",
             stage.get_sample_sum(),
             stage.get_sample_count(),
             metrics.embed_duration.get_sample_sum(),

@@ -262,10 +262,26 @@ impl EmbedStage {
             .map_or(0, RecordBatch::num_rows)
             + tables.items.as_ref().map_or(0, RecordBatch::num_rows);
         if let Some(batch) = tables.interactions.take() {
-            let (batch, vectors) = self.dialogue(sink, batch, &mut rejected).await?;
-            tables.passages = self.passages(sink, &batch).await?;
+            // The turns and their windows are embedded at once, so the
+            // workers never wait for the end of one call to start the other.
+            let mut refused = Vec::new();
+            let (turns, windows) = tokio::join!(
+                self.dialogue(sink, batch.clone(), &mut refused),
+                self.passages(sink, &batch),
+            );
+            let (kept, vectors) = turns?;
+            tables.passages = if refused.is_empty() {
+                windows?
+            } else {
+                // A refused turn is dead-lettered, not stored, so no window
+                // may hold it: the windows are made again without it (rare:
+                // an endpoint refusing a text; their first embedding is lost).
+                self.forget_recent(&batch, &kept)?;
+                self.passages(sink, &kept).await?
+            };
+            rejected.extend(refused);
             tables.turn_vectors = vectors;
-            tables.interactions = Some(batch);
+            tables.interactions = Some(kept);
         }
         if let Some(batch) = tables.items.take() {
             tables.items = self.items(sink, batch, &mut rejected).await?;
@@ -333,6 +349,32 @@ impl EmbedStage {
             .transpose()?;
         let batch = take_out(TableName::Interactions, batch, "text", refused, rejected)?;
         Ok((batch, vectors))
+    }
+
+    /// Drops from the recent turns the rows of `before` that `after` no
+    /// longer has.
+    fn forget_recent(&self, before: &RecordBatch, after: &RecordBatch) -> Result<()> {
+        let ids = |b: &RecordBatch| -> Result<std::collections::HashSet<String>> {
+            Ok(column(b, "event_id")?
+                .as_string::<i32>()
+                .iter()
+                .flatten()
+                .map(str::to_owned)
+                .collect())
+        };
+        let (before, after) = (ids(before)?, ids(after)?);
+        let gone: std::collections::HashSet<&String> = before.difference(&after).collect();
+        let mut guard = self
+            .recent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let recent = &mut *guard;
+        for generation in [&mut recent.previous, &mut recent.current] {
+            for turns in generation.values_mut() {
+                turns.retain(|(_, id), _| !gone.contains(id));
+            }
+        }
+        Ok(())
     }
 
     /// The `passages` rows of the batch's dialogue turns that have none

@@ -997,6 +997,16 @@ fn texts_the_embedding_endpoint_refuses_are_dead_lettered_and_ingest_goes_on() {
         ),
         37
     );
+    // One window per stored turn, and no window holds a refused turn (the
+    // windows are embedded beside the turns, then made again without them).
+    assert_eq!(sql_count(&uri, "SELECT count(*) AS n FROM passages"), 37);
+    assert_eq!(
+        sql_count(
+            &uri,
+            &format!("SELECT count(*) AS n FROM passages WHERE text LIKE '%{REFUSED_MARKER}%'")
+        ),
+        0
+    );
     assert_eq!(
         sql_count(
             &uri,
