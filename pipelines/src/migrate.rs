@@ -56,6 +56,23 @@ pub fn pending(name: &str, actual: &Schema) -> Option<String> {
     )
 }
 
+/// Logs a warning when `db` holds tables an earlier steamrf wrote: `serve`
+/// keeps answering from them (it reads columns by name), but without the
+/// turn vectors until [`migrate`] has run.
+pub async fn warn_if_pending(db: &lancedb::Connection) {
+    let name = TableName::Interactions.as_str();
+    let Ok(table) = db.open_table(name).execute().await else {
+        return;
+    };
+    if let Ok(schema) = table.schema().await
+        && let Some(problem) = pending(name, &schema)
+    {
+        tracing::warn!(
+            "{problem} Until then dialogue turns are answered without their vectors (not searchable as turns or sessions)."
+        );
+    }
+}
+
 /// Runs every pending migration on the database `cfg` names (module docs).
 /// Idempotent: on an up-to-date database it changes nothing.
 ///

@@ -1498,6 +1498,7 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
     }
     let embedder = crate::embed::embedder(&config.embed)?;
     let db = crate::sink::connect(&config.lancedb).await?;
+    crate::migrate::warn_if_pending(&db).await;
     let tables = Arc::new(Tables::new(db));
     let mut st = AppState::new(
         config.serve.clone(),
