@@ -68,9 +68,12 @@ import sys, yaml
 for path in sys.argv[1:]:
     docs = [d for d in yaml.safe_load_all(open(path)) if d]
     policies = {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"}
-    assert policies == {"t-steamrf-pipeline", "t-steamrf-communities", "t-steamrf-serve"}, (path, policies)
+    assert policies == {"t-steamrf-pipeline", "t-steamrf-communities", "t-steamrf-serve", "t-steamrf-migrate"}, (path, policies)
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    assert [j["metadata"]["annotations"]["helm.sh/hook"] for j in jobs] == ["pre-upgrade"], (path, jobs)
+    assert jobs[0]["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"], path
     for d in docs:
-        if d["kind"] != "Deployment":
+        if d["kind"] not in ("Deployment", "Job"):
             continue
         pod = d["spec"]["template"]["spec"]
         name = d["metadata"]["name"]
