@@ -1637,3 +1637,34 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     ));
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_quantiles_interpolate_within_buckets_like_prometheus() {
+        let h = prometheus::Histogram::with_opts(
+            prometheus::HistogramOpts::new("t", "t").buckets(vec![0.1, 0.5, 1.0]),
+        )
+        .unwrap();
+        assert!(histogram_quantile(&h, 0.5).is_nan(), "empty");
+        // 50 in (0, 0.1], 40 in (0.1, 0.5], 10 in (0.5, 1].
+        for (v, n) in [(0.05, 50), (0.3, 40), (0.7, 10)] {
+            for _ in 0..n {
+                h.observe(v);
+            }
+        }
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(histogram_quantile(&h, 0.5), 0.1));
+        // Rank 70 is half-way through the second bucket.
+        assert!(close(histogram_quantile(&h, 0.7), 0.3));
+        // Rank 99 is 90% through the third.
+        assert!(close(histogram_quantile(&h, 0.99), 0.95));
+        h.observe(5.0);
+        assert!(
+            histogram_quantile(&h, 1.0).is_infinite(),
+            "past the last bucket"
+        );
+    }
+}
