@@ -9,6 +9,8 @@
 //!   recollection) over one user's vectors.
 //! - [`passage`]: long rows as windows of turns, and hybrid retrieval
 //!   (RF-Mem over the windows, pooled to rows, fused with [`lexical`] BM25).
+//! - [`fuse`]: several rankers as one weighted sum of standardised scores,
+//!   the weights fitted on a validation split.
 //!
 //! It holds the micro-batching policy shared by every stage
 //! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
@@ -21,6 +23,7 @@
 
 pub mod batch;
 pub mod embed;
+pub mod fuse;
 mod http;
 pub mod lexical;
 pub mod llm;

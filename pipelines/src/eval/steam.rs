@@ -371,6 +371,7 @@ pub(super) fn steam_state(
 
 /// One evaluation sample: the users, and the training interactions
 /// (user, item) that popularity and item-item CF learn from.
+#[derive(Clone)]
 pub(super) struct Sample {
     pub(super) users: Vec<User>,
     pub(super) train: Vec<(String, String)>,
@@ -698,13 +699,95 @@ type Evaluated = (
     (usize, usize, usize, usize),
 );
 
-/// Every method on one sample.
+/// The rankers the fused ranker combines, in its weights' order.
+const FUSED_FEATURES: [&str; 4] = [
+    "steamrf (STEAM)",
+    "item-item CF",
+    "BM25 (item text)",
+    "popularity",
+];
+
+/// The fused ranker's row name.
+const FUSED: &str = "steamrf fused (STEAM + CF + BM25 + popularity, fit on valid)";
+
+/// Every method's scores for each user's candidates: `[method][user][candidate]`.
+fn score_all(
+    rankers: &[(&'static str, Ranker<'_>)],
+    users: &[User],
+    cands: &[Vec<String>],
+) -> Vec<Vec<Vec<f64>>> {
+    rankers
+        .iter()
+        .map(|(_, rank)| users.iter().zip(cands).map(|(u, c)| rank(u, c)).collect())
+        .collect()
+}
+
+/// The positions of [`FUSED_FEATURES`] among `names`.
+fn feature_rows(names: &[&str]) -> Result<Vec<usize>> {
+    FUSED_FEATURES
+        .iter()
+        .map(|f| {
+            names
+                .iter()
+                .position(|n| n == f)
+                .ok_or_else(|| bad(format!("no {f} ranker to fuse")))
+        })
+        .collect()
+}
+
+/// `[candidate][feature]` of one user from `[method][user][candidate]` scores.
+fn features_of(scores: &[Vec<Vec<f64>>], rows: &[usize], user: usize) -> Vec<Vec<f64>> {
+    (0..scores[rows[0]][user].len())
+        .map(|c| rows.iter().map(|&r| scores[r][user][c]).collect())
+        .collect()
+}
+
+/// Fits the fused ranker's weights on a validation sample (its own STEAM
+/// state, item-CF counts and histories: nothing of the test split).
+pub(super) fn fit_fused(
+    valid: &Sample,
+    items: &Items,
+    texts: &HashMap<String, String>,
+    bm25: &Bm25,
+    seed: u64,
+) -> Result<steamrf_operators::fuse::Fit> {
+    let learners: Vec<User> = valid.users.iter().chain(&valid.others).cloned().collect();
+    let states = steam_states(&learners, items)?;
+    let cf = ItemUsers::new(&valid.train);
+    let rankers = rankers(&states, items, &cf, texts, bm25, seed);
+    let cands: Vec<Vec<String>> = valid
+        .users
+        .iter()
+        .map(|u| {
+            let mut c = u.negatives.clone();
+            c.push(u.target.clone());
+            c
+        })
+        .collect();
+    let scores = score_all(&rankers, &valid.users, &cands);
+    let names: Vec<&str> = rankers.iter().map(|r| r.0).collect();
+    let rows = feature_rows(&names)?;
+    let queries: Vec<steamrf_operators::fuse::Query> = (0..valid.users.len())
+        .map(|u| steamrf_operators::fuse::Query {
+            scores: features_of(&scores, &rows, u),
+            target: cands[u].len() - 1,
+        })
+        .collect();
+    Ok(steamrf_operators::fuse::fit(
+        &queries,
+        FUSED_FEATURES.len(),
+        10,
+    ))
+}
+
+/// Every method on one sample; with `fused` weights also the fused ranker.
 fn evaluate(
     sample: &Sample,
     items: &Items,
     texts: &HashMap<String, String>,
     bm25: &Bm25,
     seed: u64,
+    fused: Option<&[f64]>,
 ) -> Result<Evaluated> {
     let users = &sample.users;
     // STEAM learns from the same interactions as the baselines: the test
@@ -723,11 +806,20 @@ fn evaluate(
             c
         })
         .collect();
+    let mut scores = score_all(&rankers, users, &cands);
+    let mut names: Vec<&'static str> = rankers.iter().map(|r| r.0).collect();
+    if let Some(w) = fused {
+        let rows = feature_rows(&names)?;
+        let fused_scores = (0..users.len())
+            .map(|u| steamrf_operators::fuse::fuse(w, &features_of(&scores, &rows, u)))
+            .collect();
+        scores.push(fused_scores);
+        names.push(FUSED);
+    }
     let mut out = Vec::new();
-    for (name, rank) in &rankers {
+    for (name, by_user) in names.into_iter().zip(scores) {
         let mut per_user = Vec::with_capacity(users.len());
-        for (u, c) in users.iter().zip(&cands) {
-            let s = rank(u, c);
+        for ((u, c), s) in users.iter().zip(&cands).zip(by_user) {
             let target = c.iter().position(|i| *i == u.target).unwrap_or(0);
             // Rank: candidates strictly better, then ties before it in the shuffled order.
             let r = (0..c.len())
@@ -735,7 +827,7 @@ fn evaluate(
                 .count();
             per_user.push([1, 5, 10].map(|k| ndcg_at(r, k)));
         }
-        out.push((*name, per_user));
+        out.push((name, per_user));
     }
     let counts = (
         states[0].len(),
@@ -886,6 +978,7 @@ const BASELINES: [(&str, &str); 3] = [
 /// The ranking protocol.
 async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let started = Instant::now();
+    let mut valid: Option<Sample> = None;
     let (catalogue, samples) = match e.subset.as_str() {
         "dense" | "sparse" | "cds-dense" | "cds-sparse" | "cds-dense-valid"
         | "cds-sparse-valid" => {
@@ -894,20 +987,28 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 None => (e.subset.trim_start_matches("cds-"), "test"),
             };
             let name = format!("CDs-100-user-{sub}");
-            let users = users_of_split(&e.data.join(&name), &name, split)?;
-            let train: Vec<(String, String)> = users
-                .iter()
-                .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))
-                .collect();
-            let samples: Vec<Sample> = e
-                .seeds
-                .iter()
-                .map(|_| Sample {
-                    users: users.clone(),
-                    train: train.clone(),
+            let sample_of = |users: Vec<User>| {
+                let train: Vec<(String, String)> = users
+                    .iter()
+                    .flat_map(|u| u.history.iter().map(|h| (u.id.clone(), h.clone())))
+                    .collect();
+                Sample {
+                    users,
+                    train,
                     others: Vec::new(),
-                })
-                .collect();
+                }
+            };
+            let sample = sample_of(users_of_split(&e.data.join(&name), &name, split)?);
+            // The test split also gets the fused ranker, fitted on the
+            // validation split of the same users.
+            if split == "test" {
+                valid = Some(sample_of(users_of_split(
+                    &e.data.join(&name),
+                    &name,
+                    "valid",
+                )?));
+            }
+            let samples: Vec<Sample> = e.seeds.iter().map(|_| sample.clone()).collect();
             (cds_catalogue(&e.data)?, samples)
         }
         "ml100k-catalogue" | "ml100k-users" => {
@@ -932,7 +1033,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         other => return Err(bad(format!("unknown subset {other:?}"))),
     };
     let mut needed: Vec<String> = Vec::new();
-    for s in &samples {
+    for s in samples.iter().chain(&valid) {
         for u in &s.users {
             needed.extend(u.negatives.iter().cloned());
             needed.push(u.target.clone());
@@ -951,6 +1052,26 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     )];
 
     let bm25 = Bm25::new(&texts);
+    let fitted = match &valid {
+        Some(v) => {
+            let seed = e.seeds.first().copied().unwrap_or(0);
+            let fit = fit_fused(v, &items, &texts, &bm25, seed)?;
+            let weights: Vec<String> = FUSED_FEATURES
+                .iter()
+                .zip(&fit.weights)
+                .map(|(f, w)| format!("{f} {w:.1}"))
+                .collect();
+            out.push(format!(
+                "  fused ranker fitted on the validation split ({} users, 7th item from the first 6): weights {}; validation NDCG@10 {:.4} ({} grid points)",
+                v.users.len(),
+                weights.join(", "),
+                fit.ndcg10,
+                fit.tried
+            ));
+            Some(fit.weights)
+        }
+        None => None,
+    };
     // Per method: user id → (sum of [NDCG@1, @5, @10] over the seeds, seeds).
     // A user is one unit of the bootstrap: the CDs seeds reshuffle the same
     // users (their ± was only tie-breaking), so a user's NDCG is averaged
@@ -960,7 +1081,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let mut memories = (0, 0, 0, 0);
     let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
-        let (rows, m) = evaluate(sample, &items, &texts, &bm25, seed)?;
+        let (rows, m) = evaluate(sample, &items, &texts, &bm25, seed, fitted.as_deref())?;
         bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();
@@ -1011,32 +1132,43 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         .filter(|(_, n)| BASELINES.iter().any(|b| b.0 == **n))
         .map(|(i, _)| i)
         .collect();
-    let mut diffs = Vec::new();
-    for m in 0..3 {
-        let Some(&best) = baselines
-            .iter()
-            .max_by(|&&a, &&b| stat(a, m).total_cmp(&stat(b, m)))
-        else {
-            continue;
-        };
-        let d: Vec<f64> = units[0]
-            .iter()
-            .zip(&units[best])
-            .map(|(s, b)| s[m] - b[m])
-            .collect();
-        diffs.push((best, ci(&d)));
+    // Method `ri` against the best baseline at each cutoff (paired CIs).
+    let against_best = |ri: usize| {
+        let mut diffs = Vec::new();
+        for m in 0..3 {
+            let Some(&best) = baselines
+                .iter()
+                .max_by(|&&a, &&b| stat(a, m).total_cmp(&stat(b, m)))
+            else {
+                continue;
+            };
+            let d: Vec<f64> = units[ri]
+                .iter()
+                .zip(&units[best])
+                .map(|(s, b)| s[m] - b[m])
+                .collect();
+            diffs.push((best, ci(&d)));
+        }
+        diffs
+    };
+    let fused_row = names.iter().position(|n| *n == FUSED);
+    for ri in std::iter::once(0).chain(fused_row) {
+        let diffs = against_best(ri);
+        if diffs.len() == 3 {
+            let cells: Vec<String> = diffs
+                .iter()
+                .map(|(best, (d, lo, hi))| {
+                    format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs {}", names[*best])
+                })
+                .collect();
+            table.push_str(&format!(
+                "| {} − best baseline | {} |\n",
+                names[ri],
+                cells.join(" | ")
+            ));
+        }
     }
-    if diffs.len() == 3 {
-        let cells: Vec<String> = diffs
-            .iter()
-            .map(|(best, (d, lo, hi))| format!("{d:+.3} [{lo:+.3}, {hi:+.3}] vs {}", names[*best]))
-            .collect();
-        table.push_str(&format!(
-            "| {} − best baseline | {} |\n",
-            names[0],
-            cells.join(" | ")
-        ));
-    }
+    let diffs = against_best(0);
     let headline = [0, 1, 2].map(|m| ci(&column(0, m)));
     let file = super::write_table(&e.out, &format!("steam-{}.md", e.subset), &table)?;
     let series: Vec<super::plot::Series> = names
@@ -1084,6 +1216,17 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
             " baseline={slug} baseline_ndcg10={:.4} delta10={d:.4} delta10_ci95_low={lo:.4} delta10_ci95_high={hi:.4}",
             stat(*best, 2)
         ));
+    }
+    if let Some(f) = fused_row {
+        let fd = against_best(f);
+        if let Some((_, (d, lo, hi))) = fd.get(2) {
+            result.push_str(&format!(
+                " fused_ndcg1={:.4} fused_ndcg5={:.4} fused_ndcg10={:.4} fused_delta10={d:.4} fused_delta10_ci95_low={lo:.4} fused_delta10_ci95_high={hi:.4}",
+                stat(f, 0),
+                stat(f, 1),
+                stat(f, 2)
+            ));
+        }
     }
     result.push_str(&format!(" users={n_users}"));
     for (m, k) in [1, 5, 10].into_iter().enumerate() {

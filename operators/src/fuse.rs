@@ -1,0 +1,229 @@
+//! Fusing several rankers into one: a weighted sum of their scores, each
+//! standardised over one query's candidates, with the weights fitted on a
+//! validation split.
+//!
+//! Scores of different rankers live on different scales (a cosine, a sum
+//! of co-occurrence cosines, BM25, a count), so each ranker's scores for the
+//! candidates of one query are turned into z-scores first; a ranker that
+//! scores every candidate alike contributes nothing to that query.
+//!
+//! The weights are found by exhaustive search over a grid on the simplex
+//! (non-negative, summing to 1, in steps of `1 / steps`), maximising the mean
+//! NDCG@10 of each query's one relevant candidate. No optimiser: with a
+//! handful of rankers the grid is small (4 rankers, steps 10: 286 points), the
+//! objective is a step function that gradients cannot follow, and the search
+//! is deterministic. Ties in the objective keep the first point in grid order,
+//! which puts the weight on the earlier rankers.
+
+/// One query of a validation split: per candidate the score of every
+/// ranker (`scores[candidate][ranker]`), and which candidate is relevant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Query {
+    /// `scores[candidate][ranker]`.
+    pub scores: Vec<Vec<f64>>,
+    /// The relevant candidate.
+    pub target: usize,
+}
+
+/// `xs` as z-scores (mean 0, standard deviation 1); all zeros when every
+/// value is the same.
+pub fn standardise(xs: &[f64]) -> Vec<f64> {
+    let n = xs.len().max(1) as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+    if sd < 1e-12 {
+        return vec![0.0; xs.len()];
+    }
+    xs.iter().map(|x| (x - mean) / sd).collect()
+}
+
+/// The fused score of each candidate: `Σ_r weights[r] · z_r(candidate)`,
+/// with `z_r` ranker `r`'s standardised scores over the candidates.
+///
+/// # Panics
+/// If a candidate has fewer scores than there are weights.
+pub fn fuse(weights: &[f64], scores: &[Vec<f64>]) -> Vec<f64> {
+    let mut out = vec![0.0; scores.len()];
+    for (r, &w) in weights.iter().enumerate() {
+        if w == 0.0 {
+            continue;
+        }
+        let column: Vec<f64> = scores.iter().map(|s| s[r]).collect();
+        for (o, z) in out.iter_mut().zip(standardise(&column)) {
+            *o += w * z;
+        }
+    }
+    out
+}
+
+/// NDCG@10 of the relevant candidate under `scores`: its rank counts the
+/// candidates scored higher, and half of those scored the same (ties are
+/// neither won nor lost).
+pub fn ndcg10(scores: &[f64], target: usize) -> f64 {
+    let t = scores[target];
+    let above = scores.iter().filter(|&&s| s > t).count() as f64;
+    let tied = scores.iter().filter(|&&s| s == t).count() as f64 - 1.0;
+    let rank = above + tied / 2.0;
+    if rank >= 10.0 {
+        0.0
+    } else {
+        1.0 / (rank + 2.0).log2()
+    }
+}
+
+/// The fitted weights and their mean NDCG@10 on `queries`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    /// One weight per ranker, non-negative, summing to 1.
+    pub weights: Vec<f64>,
+    /// Mean NDCG@10 over the queries with them.
+    pub ndcg10: f64,
+    /// Grid points tried.
+    pub tried: usize,
+}
+
+/// Searches the simplex grid of `rankers` weights in steps of `1 / steps`
+/// (module docs).
+///
+/// # Panics
+/// If `rankers` is 0.
+pub fn fit(queries: &[Query], rankers: usize, steps: usize) -> Fit {
+    assert!(rankers > 0, "nothing to fuse");
+    let steps = steps.max(1);
+    // The standardised columns once per query.
+    let z: Vec<Vec<Vec<f64>>> = queries
+        .iter()
+        .map(|q| {
+            (0..rankers)
+                .map(|r| standardise(&q.scores.iter().map(|s| s[r]).collect::<Vec<_>>()))
+                .collect()
+        })
+        .collect();
+    let mut best = Fit {
+        weights: Vec::new(),
+        ndcg10: f64::NEG_INFINITY,
+        tried: 0,
+    };
+    let mut point = vec![0usize; rankers];
+    compositions(steps, 0, &mut point, &mut |p| {
+        let w: Vec<f64> = p.iter().map(|&k| k as f64 / steps as f64).collect();
+        let mean = queries
+            .iter()
+            .zip(&z)
+            .map(|(q, zq)| {
+                let fused: Vec<f64> = (0..q.scores.len())
+                    .map(|c| w.iter().zip(zq).map(|(wr, zr)| wr * zr[c]).sum())
+                    .collect();
+                ndcg10(&fused, q.target)
+            })
+            .sum::<f64>()
+            / queries.len().max(1) as f64;
+        best.tried += 1;
+        if mean > best.ndcg10 {
+            best.ndcg10 = mean;
+            best.weights = w;
+        }
+    });
+    best
+}
+
+/// Calls `f` with every way of writing `left` as `point.len() - at`
+/// non-negative parts (in lexicographic order, the first part largest first).
+fn compositions(left: usize, at: usize, point: &mut Vec<usize>, f: &mut impl FnMut(&[usize])) {
+    if at + 1 == point.len() {
+        point[at] = left;
+        f(point);
+        return;
+    }
+    for k in (0..=left).rev() {
+        point[at] = k;
+        compositions(left - k, at + 1, point, f);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standardised_scores_have_mean_zero_and_unit_spread() {
+        let z = standardise(&[1.0, 2.0, 3.0, 6.0]);
+        assert!(z.iter().sum::<f64>().abs() < 1e-12);
+        let var = z.iter().map(|x| x * x).sum::<f64>() / 4.0;
+        assert!((var - 1.0).abs() < 1e-12);
+        assert_eq!(standardise(&[5.0, 5.0]), [0.0, 0.0]);
+    }
+
+    #[test]
+    fn ties_are_half_won() {
+        assert_eq!(ndcg10(&[3.0, 1.0, 2.0], 0), 1.0);
+        // Second of three.
+        assert!((ndcg10(&[1.0, 3.0, 2.0], 2) - 1.0 / 3f64.log2()).abs() < 1e-12);
+        // Tied with one other: rank 0.5.
+        assert!((ndcg10(&[2.0, 2.0, 1.0], 0) - 1.0 / 2.5f64.log2()).abs() < 1e-12);
+        let eleven: Vec<f64> = (0..11).map(f64::from).collect();
+        assert_eq!(ndcg10(&eleven, 0), 0.0, "below the cutoff");
+    }
+
+    #[test]
+    fn the_grid_covers_the_simplex_once() {
+        let mut seen = Vec::new();
+        compositions(3, 0, &mut vec![0; 3], &mut |p| seen.push(p.to_vec()));
+        // C(3 + 2, 2) = 10 points, each summing to 3, none twice.
+        assert_eq!(seen.len(), 10);
+        assert!(seen.iter().all(|p| p.iter().sum::<usize>() == 3));
+        let mut dedup = seen.clone();
+        dedup.sort();
+        dedup.dedup();
+        assert_eq!(dedup.len(), 10);
+        assert_eq!(seen[0], [3, 0, 0], "the first ranker's corner first");
+    }
+
+    #[test]
+    fn the_fit_finds_the_ranker_that_knows_and_ignores_the_noise() {
+        // Ranker 0 puts the target first; ranker 1 puts it last; ranker 2 is
+        // constant. The fit must put its weight on ranker 0.
+        let queries: Vec<Query> = (0..20)
+            .map(|i| {
+                let target = i % 5;
+                let scores = (0..5)
+                    .map(|c| {
+                        let hit = if c == target { 1.0 } else { 0.0 };
+                        vec![hit + 0.01 * c as f64, -hit, 7.0]
+                    })
+                    .collect();
+                Query { scores, target }
+            })
+            .collect();
+        let f = fit(&queries, 3, 10);
+        assert_eq!(f.tried, 66);
+        assert_eq!(f.ndcg10, 1.0);
+        assert_eq!(f.weights[0], 1.0, "{:?}", f.weights);
+        let fused = fuse(&f.weights, &queries[3].scores);
+        assert_eq!(ndcg10(&fused, queries[3].target), 1.0);
+    }
+
+    #[test]
+    fn two_rankers_that_each_know_half_are_combined() {
+        // Ranker 0 finds the target in even queries, ranker 1 in odd ones,
+        // each otherwise scoring it a little below the best: only a mix of
+        // both ranks every target first or second.
+        let queries: Vec<Query> = (0..10)
+            .map(|i| {
+                let target = 0;
+                let strong = |yes: bool| if yes { 3.0 } else { 1.9 };
+                let scores = vec![
+                    vec![strong(i % 2 == 0), strong(i % 2 == 1)],
+                    vec![2.0, 2.0],
+                    vec![0.0, 0.0],
+                    vec![1.0, 1.0],
+                ];
+                Query { scores, target }
+            })
+            .collect();
+        let alone = fit(&queries, 1, 10).ndcg10;
+        let both = fit(&queries, 2, 10);
+        assert!(both.ndcg10 > alone, "{both:?} vs {alone}");
+        assert!(both.weights.iter().all(|&w| w > 0.0), "{both:?}");
+    }
+}
