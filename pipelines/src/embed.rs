@@ -310,9 +310,13 @@ impl EmbedStage {
         let kind = col("kind")?.as_string::<i32>();
         let text = col("text")?.as_string::<i32>();
         let ids = col("event_id")?.as_string::<i32>();
-        let mut seen = std::collections::HashSet::new();
-        let turns: Vec<usize> = (0..batch.num_rows())
+        let all: Vec<usize> = (0..batch.num_rows())
             .filter(|&r| kind.value(r) == "dialogue_turn" && text.is_valid(r))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        let turns: Vec<usize> = all
+            .iter()
+            .copied()
             .filter(|&r| seen.insert(ids.value(r)))
             .collect();
         if turns.is_empty() {
@@ -329,7 +333,7 @@ impl EmbedStage {
         self.metrics
             .embed_skipped
             .with_label_values(&["dialogue_turn"])
-            .inc_by(replayed.len() as u64);
+            .inc_by((all.len() - rows.len()) as u64);
         let (mut at, mut flat) = (Vec::new(), Vec::new());
         for &r in &replayed {
             at.push(r);
