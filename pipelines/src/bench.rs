@@ -498,16 +498,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         metrics.backpressure.get(),
         done.duration_since(first).as_secs_f64()
     ));
-    // Every write is one LanceDB commit (a version of its table).
-    let commits: u64 = steamrf_schemas::TableName::ALL
-        .iter()
-        .map(|t| {
-            metrics
-                .write_duration
-                .with_label_values(&[t.as_str()])
-                .get_sample_count()
-        })
-        .sum();
+    let commits = commits(&metrics);
     let turns = if turns_share > 0.0 {
         let secs = done.duration_since(first).as_secs_f64();
         Some(turn_rates(&config, n, distinct, turns_share, secs, &metrics).await?)
@@ -618,6 +609,19 @@ fn bench_config(b: &IngestBench, topic: &str, dir: &std::path::Path) -> Config {
     config
 }
 
+/// LanceDB commits so far: every write is one commit (a version of its table).
+fn commits(metrics: &Metrics) -> u64 {
+    steamrf_schemas::TableName::ALL
+        .iter()
+        .map(|t| {
+            metrics
+                .write_duration
+                .with_label_values(&[t.as_str()])
+                .get_sample_count()
+        })
+        .sum()
+}
+
 /// The `q` quantile of histogram `h`, interpolated linearly within its
 /// bucket as Prometheus' `histogram_quantile` does (NaN when empty,
 /// infinite past the last bucket).
@@ -714,15 +718,7 @@ async fn ingest_latency(b: IngestBench, topic: String, distinct: u64) -> Result<
     })??;
     let e2e = &metrics.end_to_end;
     let (p50, p99) = (histogram_quantile(e2e, 0.5), histogram_quantile(e2e, 0.99));
-    let commits: u64 = steamrf_schemas::TableName::ALL
-        .iter()
-        .map(|t| {
-            metrics
-                .write_duration
-                .with_label_values(&[t.as_str()])
-                .get_sample_count()
-        })
-        .sum();
+    let commits = commits(&metrics);
     let batches = metrics.batch_latency.get_sample_count();
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     Ok(vec![

@@ -167,7 +167,6 @@ mod tests {
     use arrow_array::cast::AsArray;
     use arrow_schema::Field;
     use steamrf_schemas::tables::{embedding_field, turn_vectors};
-    use steamrf_schemas::{Provenance, TableBuilders, decode};
 
     use super::*;
     use crate::sink::LanceSink;
@@ -180,16 +179,7 @@ mod tests {
             r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t'1","timestamp":2000,"user_id":"u","session_id":"s","role":"user","text":"jazz"}"#,
             r#"{"type":"dialogue_turn","schema_version":1,"event_id":"t2","timestamp":3000,"user_id":"v","session_id":"s","role":"user","text":"blues"}"#,
         ];
-        let mut b = TableBuilders::default();
-        for (i, e) in events.iter().enumerate() {
-            let p = Provenance {
-                partition: 0,
-                offset: i as i64,
-                ingested_at_ms: 0,
-            };
-            b.append(&decode(e.as_bytes()).unwrap(), p);
-        }
-        let now = b.finish().unwrap().interactions.unwrap();
+        let now = crate::sink::fixture(&events, 0).interactions.unwrap();
         let mut vectors = vec![0.25f32; steamrf_schemas::tables::EMBEDDING_DIM];
         vectors.extend(vec![-0.5f32; steamrf_schemas::tables::EMBEDDING_DIM]);
         let tv = turn_vectors(&now, &[1, 2], &vectors).unwrap();

@@ -674,25 +674,34 @@ pub(crate) fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch>
     )?)
 }
 
+/// Test fixture: `events` (JSON) decoded into batches, partition 0, offsets
+/// from `first_offset` on.
+#[cfg(test)]
+pub(crate) fn fixture(
+    events: &[impl AsRef<str>],
+    first_offset: i64,
+) -> steamrf_schemas::TableBatches {
+    let mut b = steamrf_schemas::TableBuilders::default();
+    for (i, e) in events.iter().enumerate() {
+        let ev = steamrf_schemas::decode(e.as_ref().as_bytes()).unwrap();
+        b.append(
+            &ev,
+            steamrf_schemas::Provenance {
+                partition: 0,
+                offset: first_offset + i as i64,
+                ingested_at_ms: 0,
+            },
+        );
+    }
+    b.finish().unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use steamrf_schemas::{Provenance, TableBuilders, decode};
 
     fn batches(events: &[String]) -> steamrf_schemas::TableBatches {
-        let mut b = TableBuilders::default();
-        for (i, e) in events.iter().enumerate() {
-            let ev = decode(e.as_bytes()).unwrap();
-            b.append(
-                &ev,
-                Provenance {
-                    partition: 0,
-                    offset: i as i64,
-                    ingested_at_ms: 0,
-                },
-            );
-        }
-        b.finish().unwrap()
+        fixture(events, 0)
     }
 
     fn click(id: &str) -> String {

@@ -1246,7 +1246,6 @@ fn internal(e: impl std::fmt::Display) -> Error {
 #[cfg(test)]
 mod tests {
     use steamrf_schemas::tables::{turn_vectors, with_embeddings};
-    use steamrf_schemas::{Provenance, TableBuilders, decode};
 
     use super::*;
     use crate::config::Config;
@@ -1277,16 +1276,7 @@ mod tests {
             r#"{"type":"click","schema_version":1,"event_id":"c2","timestamp":5000,"user_id":"u","item_id":"nope"}"#,
             r#"{"type":"item","schema_version":1,"event_id":"it","timestamp":10,"item_id":"i1","title":"Blue Train"}"#,
         ];
-        let mut b = TableBuilders::default();
-        for (i, e) in events.iter().enumerate() {
-            let p = Provenance {
-                partition: 0,
-                offset: i as i64,
-                ingested_at_ms: 0,
-            };
-            b.append(&decode(e.as_bytes()).unwrap(), p);
-        }
-        let t = b.finish().unwrap();
+        let t = crate::sink::fixture(&events, 0);
         let mut vecs = axis(0);
         vecs.extend(axis(1));
         vecs.extend(axis(2));
@@ -1484,16 +1474,7 @@ mod tests {
         let json = format!(
             r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{offset},"user_id":"{user}","session_id":"s","role":"user","text":"turn {id}"}}"#
         );
-        let mut b = TableBuilders::default();
-        b.append(
-            &decode(json.as_bytes()).unwrap(),
-            Provenance {
-                partition: 0,
-                offset,
-                ingested_at_ms: 0,
-            },
-        );
-        let inter = b.finish().unwrap().interactions.unwrap();
+        let inter = crate::sink::fixture(&[json], offset).interactions.unwrap();
         let tv = turn_vectors(&inter, &[0], &axis(offset as usize % 8)).unwrap();
         let t = steamrf_schemas::TableName::Interactions;
         sink.write(t, &inter).await.unwrap();
