@@ -596,6 +596,7 @@ fn bench_config(b: &IngestBench, topic: &str, dir: &std::path::Path) -> Config {
     let mut config = b.config.clone();
     if b.slow_sink {
         config.lancedb.reindex_rows = 0;
+        config.lancedb.fresh_keys = 0;
         config.batch.max_rows = config.batch.max_rows.min(1000);
     }
     config.kafka.brokers = b.brokers.clone();

@@ -447,6 +447,9 @@ pub struct LanceDbConfig {
     pub optimize_interval: Duration,
     /// Bring the key index up to date after this many new rows (0: no index).
     pub reindex_rows: u64,
+    /// Keys per insert-if-absent table remembered by the fresh-key ledger
+    /// (`sink::fresh`); 0 looks every batch's keys up.
+    pub fresh_keys: usize,
     /// LanceDB's index cache, per process (its own default is 6 GiB).
     pub index_cache_size: ByteSize,
     /// LanceDB's metadata cache (manifests, fragment and file metadata), per
@@ -506,6 +509,7 @@ impl fmt::Debug for LanceDbConfig {
             .field("uri", &self.uri)
             .field("optimize_interval", &self.optimize_interval)
             .field("reindex_rows", &self.reindex_rows)
+            .field("fresh_keys", &self.fresh_keys)
             .field("index_cache_size", &self.index_cache_size)
             .field("metadata_cache_size", &self.metadata_cache_size)
             .field("storage_options", &redacted(&self.storage_options))

@@ -61,6 +61,9 @@ pub struct Metrics {
     pub errors: IntCounterVec,
     /// Table compactions run, by table.
     pub optimizations: IntCounterVec,
+    /// Insert-if-absent writes, by table and path: `fresh` (committed
+    /// without looking the keys up) or `exact` (looked up).
+    pub fresh_writes: IntCounterVec,
     /// Latest LanceDB version written, by table.
     pub table_version: IntGaugeVec,
     /// Texts embedded, by kind (dialogue_turn, item).
@@ -325,6 +328,12 @@ impl Metrics {
                 "Table compactions and version prunes.",
                 &["table"],
             ),
+            fresh_writes: counter(
+                &r,
+                "steamrf_sink_insert_writes_total",
+                "Insert-if-absent batch writes, by path: fresh (no key lookup) or exact (keys looked up).",
+                &["table", "path"],
+            ),
             table_version: gauge_vec(
                 &r,
                 "steamrf_sink_table_version",
@@ -524,6 +533,15 @@ impl Metrics {
             m.write_duration.with_label_values(&[t.as_str()]);
             m.optimizations.with_label_values(&[t.as_str()]);
             m.table_version.with_label_values(&[t.as_str()]);
+        }
+        for t in [
+            TableName::Interactions,
+            TableName::TurnVectors,
+            TableName::Passages,
+        ] {
+            for p in ["fresh", "exact"] {
+                m.fresh_writes.with_label_values(&[t.as_str(), p]);
+            }
         }
         for c in ["source", "sink", "embed", "steam"] {
             for k in [ErrorKind::Config, ErrorKind::External, ErrorKind::Internal] {

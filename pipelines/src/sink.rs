@@ -28,6 +28,8 @@ use crate::config::LanceDbConfig;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 
+mod fresh;
+
 /// Opens a LanceDB connection with the configured storage options.
 ///
 /// # Errors
@@ -278,6 +280,10 @@ struct TableState {
     table: Table,
     /// Rows inserted since the key index last covered the table.
     unindexed: AtomicU64,
+    /// The insert-if-absent tables' fresh-key ledger ([`fresh`]); `None`
+    /// until the first write loads it (and after a commit it cannot follow).
+    /// The lock also keeps this instance's writes to the table in order.
+    ledger: tokio::sync::Mutex<Option<fresh::Ledger>>,
 }
 
 /// The rows of `table` whose `key` is one of `keys` (and that match `also`),
@@ -334,6 +340,7 @@ pub struct LanceSink {
     tables: Arc<HashMap<TableName, TableState>>,
     metrics: Metrics,
     reindex_rows: u64,
+    fresh_keys: usize,
 }
 
 impl LanceSink {
@@ -358,6 +365,7 @@ impl LanceSink {
                 TableState {
                     table,
                     unindexed: AtomicU64::new(unindexed),
+                    ledger: tokio::sync::Mutex::new(None),
                 },
             );
         }
@@ -365,6 +373,7 @@ impl LanceSink {
             tables: Arc::new(tables),
             metrics,
             reindex_rows: cfg.reindex_rows,
+            fresh_keys: cfg.fresh_keys,
         })
     }
 
@@ -400,22 +409,26 @@ impl LanceSink {
         let batch = dedup(name, batch)?;
         let in_rows = batch.num_rows() as u64;
         let table = self.table(name);
-        let mut merge = table.merge_insert(&[name.key()]);
-        match name {
+        let written = match name {
             TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
-                merge.when_not_matched_insert_all();
+                self.write_absent(name, batch).await
             }
             TableName::Items | TableName::Profiles => {
+                let mut merge = table.merge_insert(&[name.key()]);
                 merge
                     .when_matched_update_all(Some(
                         "target.timestamp < source.timestamp OR (target.timestamp = source.timestamp AND target.event_id < source.event_id)".into(),
                     ))
                     .when_not_matched_insert_all();
+                let schema = batch.schema();
+                let reader = RecordBatchIterator::new([Ok(batch)], schema);
+                merge
+                    .execute(Box::new(reader))
+                    .await
+                    .map(|r| (r.num_inserted_rows, r.num_updated_rows, r.version))
             }
-        }
-        let schema = batch.schema();
-        let reader = RecordBatchIterator::new([Ok(batch)], schema);
-        let r = match merge.execute(Box::new(reader)).await {
+        };
+        let (inserted, updated, version) = match written {
             Ok(r) => r,
             Err(e) => {
                 // Lance retries plain commit conflicts itself; what reaches us
@@ -430,10 +443,10 @@ impl LanceSink {
             }
         };
         let stats = WriteStats {
-            inserted: r.num_inserted_rows,
-            updated: r.num_updated_rows,
-            skipped: in_rows.saturating_sub(r.num_inserted_rows + r.num_updated_rows),
-            version: r.version,
+            inserted,
+            updated,
+            skipped: in_rows.saturating_sub(inserted + updated),
+            version,
         };
         let label = [name.as_str()];
         self.metrics
@@ -457,6 +470,92 @@ impl LanceSink {
             .fetch_add(stats.inserted, Ordering::Relaxed);
         self.maybe_reindex(name).await?;
         Ok(stats)
+    }
+
+    /// Writes an insert-if-absent table: a fresh batch (see [`fresh`]) as
+    /// new fragments, any other through [`insert_absent`]; then brings the
+    /// ledger up to the new version.
+    async fn write_absent(
+        &self,
+        name: TableName,
+        batch: RecordBatch,
+    ) -> lancedb::Result<(u64, u64, u64)> {
+        let table = self.table(name);
+        let key = name.key();
+        let mut ledger = self.tables[&name].ledger.lock().await;
+        let rows = fresh::keys_of(&batch, key);
+        let (Some(rows), true) = (rows, self.fresh_keys > 0) else {
+            return insert_absent(table, key, batch).await;
+        };
+        let handle = table
+            .dataset()
+            .ok_or_else(|| lancedb::Error::NotSupported {
+                message: format!("{} is not a local or object-store table", table.name()),
+            })?;
+        if ledger.is_none() {
+            let started = Instant::now();
+            let loaded = fresh::Ledger::load(&*handle.get().await?, key, self.fresh_keys).await?;
+            tracing::info!(table = name.as_str(), keys = loaded.len(), version = loaded.covered(), took = ?started.elapsed(), "Fresh-key ledger loaded.");
+            *ledger = Some(loaded);
+        }
+        let l = ledger.as_mut().expect("loaded above");
+        let label = [name.as_str()];
+        let mut written = None;
+        if l.all_fresh(&rows) {
+            let dataset = handle.get().await?;
+            let hashes = rows.iter().map(|r| r.0);
+            match fresh::commit_fresh(dataset, key, batch.clone(), hashes, l.covered()).await {
+                Ok(committed) => {
+                    let version = committed.version().version;
+                    handle.update(committed);
+                    self.metrics
+                        .fresh_writes
+                        .with_label_values(&[label[0], "fresh"])
+                        .inc();
+                    written = Some((rows.len() as u64, 0, version));
+                }
+                Err(
+                    e @ (lance::Error::RetryableCommitConflict { .. }
+                    | lance::Error::TooMuchWriteContention { .. }),
+                ) => {
+                    // Another writer inserted one of the keys, or rows it
+                    // did not name, since `covered`: look them up.
+                    tracing::debug!(table = name.as_str(), error = %e, "A fresh batch conflicted; taking the exact path.");
+                    table.checkout_latest().await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let (inserted, updated, version) = match written {
+            Some(w) => w,
+            None => {
+                self.metrics
+                    .fresh_writes
+                    .with_label_values(&[label[0], "exact"])
+                    .inc();
+                insert_absent(table, key, batch).await?
+            }
+        };
+        // Every key of the batch is in the table now (inserted, or there
+        // already); then learn what other writers committed in between.
+        let dataset = handle.get().await?;
+        let own = (inserted > 0).then_some(version);
+        match l.learn(&dataset, version, own).await {
+            fresh::Learned::Current => {
+                for (h, ts) in rows {
+                    l.insert(h, ts);
+                }
+            }
+            fresh::Learned::Unknown => {
+                tracing::info!(
+                    table = name.as_str(),
+                    version,
+                    "A commit added rows without naming their keys; the fresh-key ledger reloads."
+                );
+                *ledger = None;
+            }
+        }
+        Ok((inserted, updated, version))
     }
 
     /// The stored `(timestamp, event_id)` of each of `keys` that exists in
@@ -625,6 +724,101 @@ impl LanceSink {
                 .inc();
         }
         Ok(())
+    }
+}
+
+/// How many times [`insert_absent`] recomputes a write that lost a commit
+/// race to a concurrent insert of the same keys.
+const INSERT_ATTEMPTS: u32 = 10;
+
+/// Inserts the rows of `batch` whose `key` is not in `table` yet (keys unique
+/// within the batch), in one commit; returns `(inserted, 0, version)`.
+///
+/// LanceDB's `merge_insert` finds the present keys through the key's BTree
+/// index, but that path commits without naming the keys it inserted (lance
+/// 14: only its unindexed path does), so two writers inserting the same new
+/// key at once both commit it: a batch replayed by the instance that took
+/// over a partition while the one that lost it still writes it. This runs
+/// the same merge uncommitted, names every key of the batch in the commit
+/// (an exact set of key hashes, the form lance compares exactly), and
+/// commits it through lance: a concurrent commit that names one of the same
+/// keys makes this one conflict, and the retry finds the keys present.
+async fn insert_absent(
+    table: &Table,
+    key: &str,
+    batch: RecordBatch,
+) -> lancedb::Result<(u64, u64, u64)> {
+    use lance::dataset::transaction::Operation;
+    use lance::dataset::write::merge_insert::inserted_rows::{
+        FilterType, KeyExistenceFilter, KeyValue,
+    };
+    use lance::dataset::{CommitBuilder, MergeInsertBuilder, WhenMatched, WhenNotMatched};
+
+    let Some(handle) = table.dataset() else {
+        return Err(lancedb::Error::NotSupported {
+            message: format!("{} is not a local or object-store table", table.name()),
+        });
+    };
+    let hashes: std::collections::HashSet<u64> = batch
+        .column_by_name(key)
+        .map(|c| {
+            c.as_string::<i32>()
+                .iter()
+                .flatten()
+                .map(|k| KeyValue::String(k.to_owned()).hash_value())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let dataset = handle.get().await?;
+        let field_id = dataset.schema().field(key).map(|f| f.id).ok_or_else(|| {
+            lancedb::Error::InvalidInput {
+                message: format!("{} has no column {key}", table.name()),
+            }
+        })?;
+        let mut job = MergeInsertBuilder::try_new(dataset.clone(), vec![key.to_owned()])?;
+        job.when_matched(WhenMatched::DoNothing)
+            .when_not_matched(WhenNotMatched::InsertAll);
+        let mut merge = job
+            .try_build()?
+            .execute_uncommitted_batches(vec![batch.clone()])
+            .await?;
+        let inserted = merge.stats.num_inserted_rows;
+        if inserted == 0 {
+            // Every key is present: nothing to commit.
+            return Ok((0, 0, dataset.version().version));
+        }
+        if let Operation::Update {
+            inserted_rows_filter,
+            ..
+        } = &mut merge.transaction.operation
+        {
+            *inserted_rows_filter = Some(KeyExistenceFilter {
+                field_ids: vec![field_id],
+                filter: FilterType::ExactSet(hashes.clone()),
+            });
+        }
+        let mut commit = CommitBuilder::new(dataset);
+        if let Some(rows) = merge.affected_rows.take() {
+            commit = commit.with_affected_rows(rows);
+        }
+        match commit.execute(merge.transaction).await {
+            Ok(committed) => {
+                let version = committed.version().version;
+                handle.update(committed);
+                return Ok((inserted, 0, version));
+            }
+            Err(
+                e @ (lance::Error::RetryableCommitConflict { .. }
+                | lance::Error::TooMuchWriteContention { .. }),
+            ) if attempt < INSERT_ATTEMPTS => {
+                tracing::debug!(table = table.name(), attempt, error = %e, "Insert lost a commit race; recomputing it.");
+                table.checkout_latest().await?;
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
@@ -863,14 +1057,16 @@ mod tests {
     /// Two writers insert the same new keys at the same moment, round after
     /// round: a batch replayed by the instance that took over a partition
     /// while the one that lost it still writes it (a broker restart makes
-    /// this happen). Each key must be stored once. LanceDB cannot see such a
-    /// conflict unless the key column is declared the table's (unenforced)
-    /// primary key: both merges find the keys absent, and each commit only
-    /// adds a fragment, so nothing overlaps (lance issue 4585).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn two_writers_inserting_the_same_new_keys_store_each_once() {
+    /// this happen). Each key must be stored once. Both merges find the keys
+    /// absent and each commit only adds a fragment, so LanceDB sees no
+    /// conflict unless the commits name the keys they insert (lance issue
+    /// 4585): [`insert_absent`] does, on either side of `reindex_rows`.
+    async fn same_new_keys_from_two_writers(reindex_rows: u64) {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = lancedb_config(dir.path());
+        let cfg = LanceDbConfig {
+            reindex_rows,
+            ..lancedb_config(dir.path())
+        };
         let a = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
         let b = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
         let rounds = 30;
@@ -889,11 +1085,33 @@ mod tests {
         let t = a.table(TableName::Interactions);
         t.checkout_latest().await.unwrap();
         assert_eq!(
+            key_index(t, TableName::Interactions)
+                .await
+                .unwrap()
+                .is_some(),
+            reindex_rows > 0,
+            "the merges ran on the path under test"
+        );
+        assert_eq!(
             t.count_rows(None).await.unwrap(),
             25 * rounds,
             "{retries} writes retried"
         );
-        eprintln!("same new keys from two writers: {retries} writes retried");
+        eprintln!(
+            "same new keys from two writers (reindex_rows {reindex_rows}): {retries} writes retried"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_writers_inserting_the_same_new_keys_store_each_once() {
+        same_new_keys_from_two_writers(0).await;
+    }
+
+    /// The same through the key's BTree index, where LanceDB's own
+    /// `merge_insert` stored such keys twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_writers_inserting_the_same_new_keys_through_the_index_store_each_once() {
+        same_new_keys_from_two_writers(20).await;
     }
 
     /// Two writers (separate connections, as two processes) commit to the
@@ -934,6 +1152,101 @@ mod tests {
             .value(0);
         assert_eq!(distinct, 1800);
         eprintln!("two writers: {retries} commits retried");
+    }
+
+    fn paths(s: &LanceSink) -> (u64, u64) {
+        let n = |p: &str| {
+            s.metrics
+                .fresh_writes
+                .with_label_values(&["interactions", p])
+                .get()
+        };
+        (n("fresh"), n("exact"))
+    }
+
+    fn clicks(ids: std::ops::Range<usize>) -> RecordBatch {
+        let ids: Vec<String> = ids.map(|i| click(&format!("e{i}"))).collect();
+        batches(&ids).interactions.unwrap()
+    }
+
+    /// New keys skip the lookup; a replay, a re-send among new keys, and a
+    /// replay after a restart (the ledger reloaded from the table) take it
+    /// and add nothing.
+    #[tokio::test]
+    async fn fresh_batches_skip_the_lookup_and_replays_do_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let t = TableName::Interactions;
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        for r in [0..10, 10..20] {
+            assert_eq!(s.write(t, &clicks(r)).await.unwrap().inserted, 10);
+        }
+        assert_eq!(paths(&s), (2, 0));
+        let replay = s.write(t, &clicks(0..10)).await.unwrap();
+        assert_eq!((replay.inserted, replay.skipped), (0, 10));
+        let resend = s.write(t, &clicks(15..25)).await.unwrap();
+        assert_eq!((resend.inserted, resend.skipped), (5, 5));
+        assert_eq!(paths(&s), (2, 2));
+        assert_eq!(count(&s, t).await, 25);
+        drop(s);
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let replay = s.write(t, &clicks(20..25)).await.unwrap();
+        assert_eq!(replay.inserted, 0);
+        s.write(t, &clicks(25..30)).await.unwrap();
+        assert_eq!(paths(&s), (1, 1));
+        assert_eq!(count(&s, t).await, 30);
+    }
+
+    /// A fresh batch whose keys another writer committed after this
+    /// writer's ledger was current (the instance that lost a partition
+    /// still writing it): the commit conflicts, and the lookup finds them.
+    #[tokio::test]
+    async fn a_fresh_batch_another_writer_committed_meanwhile_is_looked_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let t = TableName::Interactions;
+        let a = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let b = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        b.write(t, &clicks(0..5)).await.unwrap();
+        a.write(t, &clicks(5..15)).await.unwrap();
+        let again = b.write(t, &clicks(5..15)).await.unwrap();
+        assert_eq!((again.inserted, again.skipped), (0, 10));
+        assert_eq!(paths(&b), (1, 1), "tried fresh, then looked up");
+        // b learned a's keys from its commit: a replay now goes straight to the lookup.
+        b.write(t, &clicks(5..15)).await.unwrap();
+        assert_eq!(paths(&b), (1, 2));
+        let table = a.table(t);
+        table.checkout_latest().await.unwrap();
+        assert_eq!(table.count_rows(None).await.unwrap(), 15);
+    }
+
+    /// Rows added by another tool without naming their keys (a plain
+    /// append): the next fresh commit conflicts with it, and the ledger
+    /// reloads from the table.
+    #[tokio::test]
+    async fn an_append_the_ledger_cannot_read_reloads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let t = TableName::Interactions;
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        s.write(t, &clicks(0..5)).await.unwrap();
+        let other = connect(&cfg).await.unwrap();
+        let table = other.open_table(t.as_str()).execute().await.unwrap();
+        let appended = clicks(5..10);
+        let schema = appended.schema();
+        table
+            .add(Box::new(RecordBatchIterator::new([Ok(appended)], schema))
+                as Box<dyn arrow_array::RecordBatchReader + Send>)
+            .execute()
+            .await
+            .unwrap();
+        let w = s.write(t, &clicks(8..12)).await.unwrap();
+        assert_eq!((w.inserted, w.skipped), (2, 2));
+        assert!(s.tables[&t].ledger.lock().await.is_none(), "to be reloaded");
+        let w = s.write(t, &clicks(5..10)).await.unwrap();
+        assert_eq!(w.inserted, 0, "the reloaded ledger knows the appended keys");
+        assert_eq!(paths(&s), (1, 2));
+        assert_eq!(count(&s, t).await, 12);
     }
 
     #[tokio::test]
