@@ -484,6 +484,30 @@ pub(super) fn ml_sample(
     seed: u64,
     from_users: bool,
 ) -> Sample {
+    ml_sample_holding(ratings, meta, seed, from_users, 1)
+}
+
+/// The validation split of [`ml_sample`] (where anything is fitted): the
+/// same users, each predicting its second-to-last rating from the ones
+/// before; the last rating (the test target) is in no one's training data.
+pub(super) fn ml_valid_sample(
+    ratings: &[(String, String, i64)],
+    meta: &HashMap<String, (String, String)>,
+    seed: u64,
+    from_users: bool,
+) -> Sample {
+    ml_sample_holding(ratings, meta, seed, from_users, 2)
+}
+
+/// [`ml_sample`] whose target is each user's `held`-th rating from the end;
+/// the ratings from the target on are held out of the training data.
+fn ml_sample_holding(
+    ratings: &[(String, String, i64)],
+    meta: &HashMap<String, (String, String)>,
+    seed: u64,
+    from_users: bool,
+    held: usize,
+) -> Sample {
     let by_user = histories(ratings);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut ids: Vec<&str> = by_user.keys().copied().collect();
@@ -492,25 +516,28 @@ pub(super) fn ml_sample(
     ids.sort_unstable();
     let pool = negative_pool(&by_user, &ids, meta, from_users);
     let mut users = Vec::new();
-    let mut targets = HashSet::new();
+    let mut held_out = HashSet::new();
     for u in &ids {
         let v = &by_user[u];
-        let Some((_, target)) = v.last() else {
+        if v.len() < held {
             continue;
-        };
+        }
+        let cut = v.len() - held;
+        let target = v[cut].1;
+        // Negatives avoid every item the user rated, held-out ones included.
         let seen: HashSet<&str> = v.iter().map(|x| x.1).collect();
         let negatives = unseen(&mut rng, &pool, &seen, 9);
-        targets.insert((*u, *target));
+        held_out.extend(v[cut..].iter().map(|x| (*u, x.1)));
         users.push(User {
             id: (*u).to_owned(),
-            history: v[..v.len() - 1].iter().map(|x| x.1.to_owned()).collect(),
-            target: (*target).to_owned(),
+            history: v[..cut].iter().map(|x| x.1.to_owned()).collect(),
+            target: target.to_owned(),
             negatives,
         });
     }
     let train = ratings
         .iter()
-        .filter(|(u, i, _)| !targets.contains(&(u.as_str(), i.as_str())))
+        .filter(|(u, i, _)| !held_out.contains(&(u.as_str(), i.as_str())))
         .map(|(u, i, _)| (u.clone(), i.clone()))
         .collect();
     let tested: HashSet<&str> = ids.iter().copied().collect();
@@ -1019,6 +1046,10 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 .iter()
                 .map(|&seed| ml_sample(&ratings, &meta, seed, from_users))
                 .collect();
+            // The fused ranker is fitted on the first seed's users'
+            // second-to-last ratings.
+            let seed = e.seeds.first().copied().unwrap_or(0);
+            valid = Some(ml_valid_sample(&ratings, &meta, seed, from_users));
             ((meta, ML_TEMPLATE), samples)
         }
         "ml100k-paper" => {
@@ -1028,6 +1059,8 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 .iter()
                 .map(|&seed| paper_sample(ml_sample(&ratings, &meta, seed, true)))
                 .collect();
+            let seed = e.seeds.first().copied().unwrap_or(0);
+            valid = Some(paper_sample(ml_valid_sample(&ratings, &meta, seed, true)));
             ((meta, ML_TEMPLATE), samples)
         }
         other => return Err(bad(format!("unknown subset {other:?}"))),
@@ -1062,8 +1095,13 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 .map(|(f, w)| format!("{f} {w:.1}"))
                 .collect();
             out.push(format!(
-                "  fused ranker fitted on the validation split ({} users, 7th item from the first 6): weights {}; validation NDCG@10 {:.4} ({} grid points)",
+                "  fused ranker fitted on the validation split ({} users, {}): weights {}; validation NDCG@10 {:.4} ({} grid points)",
                 v.users.len(),
+                if e.subset.starts_with("ml100k") {
+                    "each predicting its second-to-last rating; the last is held out of all training data"
+                } else {
+                    "7th item from the first 6"
+                },
                 weights.join(", "),
                 fit.ndcg10,
                 fit.tried
@@ -1366,6 +1404,38 @@ mod tests {
         assert_eq!(n.iter().collect::<HashSet<_>>().len(), 9, "{n:?}");
         // Deterministic.
         assert_eq!(users(dir.path(), name).unwrap()[0].negatives, *n);
+    }
+
+    #[test]
+    fn the_movielens_validation_split_predicts_the_second_to_last_and_hides_the_last() {
+        let mut ratings = Vec::new();
+        let mut meta = HashMap::new();
+        for i in 0..40 {
+            meta.insert(i.to_string(), (format!("Movie {i}"), "Drama".to_owned()));
+        }
+        for u in 0..120 {
+            for k in 0..6 {
+                ratings.push((u.to_string(), ((u + k * 7) % 40).to_string(), k as i64));
+            }
+        }
+        let test = ml_sample(&ratings, &meta, 7, false);
+        let valid = ml_valid_sample(&ratings, &meta, 7, false);
+        let ids = |s: &Sample| s.users.iter().map(|u| u.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&valid), ids(&test), "the same users");
+        for (v, t) in valid.users.iter().zip(&test.users) {
+            assert_eq!(v.history.len(), 4);
+            assert_eq!(t.history[..4], v.history[..]);
+            assert_eq!(t.history[4], v.target, "the second-to-last rating");
+            assert!(!v.history.contains(&t.target) && v.target != t.target);
+            assert!(
+                !v.negatives.contains(&t.target),
+                "negatives were never rated"
+            );
+            for target in [&v.target, &t.target] {
+                assert!(!valid.train.contains(&(v.id.clone(), target.clone())));
+            }
+        }
+        assert_eq!(valid.train.len(), ratings.len() - 200);
     }
 
     #[test]
