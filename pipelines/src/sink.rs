@@ -749,9 +749,7 @@ async fn insert_absent(
     batch: RecordBatch,
 ) -> lancedb::Result<(u64, u64, u64)> {
     use lance::dataset::transaction::Operation;
-    use lance::dataset::write::merge_insert::inserted_rows::{
-        FilterType, KeyExistenceFilter, KeyValue,
-    };
+    use lance::dataset::write::merge_insert::inserted_rows::{FilterType, KeyExistenceFilter};
     use lance::dataset::{CommitBuilder, MergeInsertBuilder, WhenMatched, WhenNotMatched};
 
     let Some(handle) = table.dataset() else {
@@ -765,7 +763,7 @@ async fn insert_absent(
             c.as_string::<i32>()
                 .iter()
                 .flatten()
-                .map(|k| KeyValue::String(k.to_owned()).hash_value())
+                .map(fresh::key_hash)
                 .collect()
         })
         .unwrap_or_default();

@@ -26,7 +26,6 @@
 //! oldest half (by event time) is forgotten and `horizon` moves past it, so
 //! an event older than that takes the exact path.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
@@ -35,15 +34,39 @@ use arrow_array::{Array, RecordBatch};
 use futures::TryStreamExt;
 use lance::Dataset;
 use lance::dataset::transaction::{Operation, Transaction, UpdateMode};
-use lance::dataset::write::merge_insert::inserted_rows::{
-    FilterType, KeyExistenceFilter, KeyValue,
-};
+use lance::dataset::write::merge_insert::inserted_rows::{FilterType, KeyExistenceFilter};
 use lance::dataset::{CommitBuilder, InsertBuilder, WriteMode, WriteParams};
 
-/// The hash LanceDB compares in a commit's exact key set.
+/// The hash LanceDB compares in a commit's exact key set: its
+/// `KeyValue::String(key).hash_value()`, without that one's two copies of
+/// the key.
 pub(crate) fn key_hash(key: &str) -> u64 {
-    KeyValue::String(key.to_owned()).hash_value()
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.as_bytes().hash(&mut h);
+    h.finish()
 }
+
+/// The ledger's keys are hashes already: a map over them hashes nothing.
+#[derive(Default, Clone, Copy)]
+struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed (`write_u64`); fold anything else in.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type HashMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Prehashed>>;
 
 /// Each row's key hash and event timestamp (ms); `None` if the batch lacks
 /// either column.
@@ -102,7 +125,7 @@ impl Ledger {
     /// after `horizon`.
     pub(crate) fn new(version: u64, max_keys: usize) -> Self {
         Self {
-            keys: HashMap::new(),
+            keys: HashMap::default(),
             horizon: i64::MIN,
             covered: version,
             max_keys: max_keys.max(2),
@@ -283,6 +306,14 @@ pub(crate) async fn commit_fresh(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lance::dataset::write::merge_insert::inserted_rows::KeyValue;
+
+    #[test]
+    fn key_hashes_are_lances() {
+        for k in ["", "e1", "bench-000000000042", "ü'\"x"] {
+            assert_eq!(key_hash(k), KeyValue::String(k.to_owned()).hash_value());
+        }
+    }
 
     #[test]
     fn a_full_ledger_forgets_the_older_half_and_moves_its_horizon() {
