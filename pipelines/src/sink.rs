@@ -483,15 +483,14 @@ impl LanceSink {
         let table = self.table(name);
         let key = name.key();
         let mut ledger = self.tables[&name].ledger.lock().await;
-        let rows = fresh::keys_of(&batch, key);
-        let (Some(rows), true) = (rows, self.fresh_keys > 0) else {
-            return insert_absent(table, key, batch).await;
-        };
-        let handle = table
-            .dataset()
-            .ok_or_else(|| lancedb::Error::NotSupported {
-                message: format!("{} is not a local or object-store table", table.name()),
-            })?;
+        let rows = fresh::keys_of(&batch, key).ok_or_else(|| lancedb::Error::InvalidInput {
+            message: format!("a batch for {} lacks {key} or timestamp", table.name()),
+        })?;
+        let hashes = || rows.iter().map(|r| r.0);
+        if self.fresh_keys == 0 {
+            return insert_absent(table, key, batch, hashes()).await;
+        }
+        let handle = table.dataset().ok_or_else(|| not_native(table))?;
         if ledger.is_none() {
             let started = Instant::now();
             let loaded = fresh::Ledger::load(&*handle.get().await?, key, self.fresh_keys).await?;
@@ -503,8 +502,7 @@ impl LanceSink {
         let mut written = None;
         if l.all_fresh(&rows) {
             let dataset = handle.get().await?;
-            let hashes = rows.iter().map(|r| r.0);
-            match fresh::commit_fresh(dataset, key, batch.clone(), hashes, l.covered()).await {
+            match fresh::commit_fresh(dataset, key, batch.clone(), hashes(), l.covered()).await {
                 Ok(committed) => {
                     let version = committed.version().version;
                     handle.update(committed);
@@ -533,7 +531,7 @@ impl LanceSink {
                     .fresh_writes
                     .with_label_values(&[label[0], "exact"])
                     .inc();
-                insert_absent(table, key, batch).await?
+                insert_absent(table, key, batch, hashes()).await?
             }
         };
         // Every key of the batch is in the table now (inserted, or there
@@ -747,35 +745,16 @@ async fn insert_absent(
     table: &Table,
     key: &str,
     batch: RecordBatch,
+    hashes: impl Iterator<Item = u64> + Clone,
 ) -> lancedb::Result<(u64, u64, u64)> {
     use lance::dataset::transaction::Operation;
-    use lance::dataset::write::merge_insert::inserted_rows::{FilterType, KeyExistenceFilter};
     use lance::dataset::{CommitBuilder, MergeInsertBuilder, WhenMatched, WhenNotMatched};
 
-    let Some(handle) = table.dataset() else {
-        return Err(lancedb::Error::NotSupported {
-            message: format!("{} is not a local or object-store table", table.name()),
-        });
-    };
-    let hashes: std::collections::HashSet<u64> = batch
-        .column_by_name(key)
-        .map(|c| {
-            c.as_string::<i32>()
-                .iter()
-                .flatten()
-                .map(fresh::key_hash)
-                .collect()
-        })
-        .unwrap_or_default();
+    let handle = table.dataset().ok_or_else(|| not_native(table))?;
     let mut attempt = 0;
     loop {
         attempt += 1;
         let dataset = handle.get().await?;
-        let field_id = dataset.schema().field(key).map(|f| f.id).ok_or_else(|| {
-            lancedb::Error::InvalidInput {
-                message: format!("{} has no column {key}", table.name()),
-            }
-        })?;
         let mut job = MergeInsertBuilder::try_new(dataset.clone(), vec![key.to_owned()])?;
         job.when_matched(WhenMatched::DoNothing)
             .when_not_matched(WhenNotMatched::InsertAll);
@@ -793,10 +772,7 @@ async fn insert_absent(
             ..
         } = &mut merge.transaction.operation
         {
-            *inserted_rows_filter = Some(KeyExistenceFilter {
-                field_ids: vec![field_id],
-                filter: FilterType::ExactSet(hashes.clone()),
-            });
+            *inserted_rows_filter = Some(fresh::exact_filter(&dataset, key, hashes.clone())?);
         }
         let mut commit = CommitBuilder::new(dataset);
         if let Some(rows) = merge.affected_rows.take() {
@@ -817,6 +793,13 @@ async fn insert_absent(
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// Why `table` has no lance dataset handle (`Table::dataset`).
+fn not_native(table: &Table) -> lancedb::Error {
+    lancedb::Error::NotSupported {
+        message: format!("{} is not a local or object-store table", table.name()),
     }
 }
 

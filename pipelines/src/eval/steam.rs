@@ -1406,13 +1406,17 @@ mod tests {
         assert_eq!(users(dir.path(), name).unwrap()[0].negatives, *n);
     }
 
+    /// A 40-movie MovieLens catalogue.
+    fn forty_dramas() -> HashMap<String, (String, String)> {
+        (0..40)
+            .map(|i| (i.to_string(), (format!("Movie {i}"), "Drama".to_owned())))
+            .collect()
+    }
+
     #[test]
     fn the_movielens_validation_split_predicts_the_second_to_last_and_hides_the_last() {
         let mut ratings = Vec::new();
-        let mut meta = HashMap::new();
-        for i in 0..40 {
-            meta.insert(i.to_string(), (format!("Movie {i}"), "Drama".to_owned()));
-        }
+        let meta = forty_dramas();
         for u in 0..120 {
             for k in 0..6 {
                 ratings.push((u.to_string(), ((u + k * 7) % 40).to_string(), k as i64));
@@ -1441,10 +1445,7 @@ mod tests {
     #[test]
     fn movielens_samples_hold_out_the_last_rating_and_sample_unseen_negatives() {
         let mut ratings = Vec::new();
-        let mut meta = HashMap::new();
-        for i in 0..40 {
-            meta.insert(i.to_string(), (format!("Movie {i}"), "Drama".to_owned()));
-        }
+        let meta = forty_dramas();
         for u in 0..120 {
             for k in 0..5 {
                 // Two ratings share the last timestamp: the larger item id is the target.
