@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::TimestampMillisecondType;
-use arrow_array::{RecordBatch, RecordBatchIterator, UInt32Array};
+use arrow_array::{RecordBatch, UInt32Array};
 use lancedb::index::Index;
 use lancedb::table::OptimizeAction;
 use lancedb::{Connection, Table};
@@ -414,18 +414,13 @@ impl LanceSink {
                 self.write_absent(name, batch).await
             }
             TableName::Items | TableName::Profiles => {
-                let mut merge = table.merge_insert(&[name.key()]);
-                merge
-                    .when_matched_update_all(Some(
-                        "target.timestamp < source.timestamp OR (target.timestamp = source.timestamp AND target.event_id < source.event_id)".into(),
-                    ))
-                    .when_not_matched_insert_all();
-                let schema = batch.schema();
-                let reader = RecordBatchIterator::new([Ok(batch)], schema);
-                merge
-                    .execute(Box::new(reader))
-                    .await
-                    .map(|r| (r.num_inserted_rows, r.num_updated_rows, r.version))
+                let key = name.key();
+                match fresh::keys_of(&batch, key) {
+                    Some(rows) => upsert_newer(table, key, batch, rows.iter().map(|r| r.0)).await,
+                    None => Err(lancedb::Error::InvalidInput {
+                        message: format!("a batch for {} lacks {key} or timestamp", table.name()),
+                    }),
+                }
             }
         };
         let (inserted, updated, version) = match written {
@@ -725,9 +720,13 @@ impl LanceSink {
     }
 }
 
-/// How many times [`insert_absent`] recomputes a write that lost a commit
-/// race to a concurrent insert of the same keys.
+/// How many times [`merge_keyed`] recomputes a write that lost a commit
+/// race to a concurrent write of the same keys.
 const INSERT_ATTEMPTS: u32 = 10;
+
+/// Which rows of a keyed merge replace stored ones: the newer version of an
+/// item or profile (by timestamp, then event id).
+const NEWER: &str = "target.timestamp < source.timestamp OR (target.timestamp = source.timestamp AND target.event_id < source.event_id)";
 
 /// Inserts the rows of `batch` whose `key` is not in `table` yet (keys unique
 /// within the batch), in one commit; returns `(inserted, 0, version)`.
@@ -747,6 +746,33 @@ async fn insert_absent(
     batch: RecordBatch,
     hashes: impl Iterator<Item = u64> + Clone,
 ) -> lancedb::Result<(u64, u64, u64)> {
+    merge_keyed(table, key, batch, hashes, None).await
+}
+
+/// Upserts `batch` by `key` (keys unique within the batch): new keys are
+/// inserted, stored rows replaced where [`NEWER`]; returns `(inserted,
+/// updated, version)`. Committed as [`insert_absent`] commits, naming every
+/// key of the batch, so two writers upserting the same new item at once
+/// store it once: the later conflicts, and its retry updates the row the
+/// first stored (or leaves it, if that one is newer).
+async fn upsert_newer(
+    table: &Table,
+    key: &str,
+    batch: RecordBatch,
+    hashes: impl Iterator<Item = u64> + Clone,
+) -> lancedb::Result<(u64, u64, u64)> {
+    merge_keyed(table, key, batch, hashes, Some(NEWER)).await
+}
+
+/// The merge of [`insert_absent`] (`update_if` None: matched rows are kept)
+/// or [`upsert_newer`] (matched rows replaced where `update_if` holds).
+async fn merge_keyed(
+    table: &Table,
+    key: &str,
+    batch: RecordBatch,
+    hashes: impl Iterator<Item = u64> + Clone,
+    update_if: Option<&str>,
+) -> lancedb::Result<(u64, u64, u64)> {
     use lance::dataset::transaction::Operation;
     use lance::dataset::{CommitBuilder, MergeInsertBuilder, WhenMatched, WhenNotMatched};
 
@@ -756,15 +782,18 @@ async fn insert_absent(
         attempt += 1;
         let dataset = handle.get().await?;
         let mut job = MergeInsertBuilder::try_new(dataset.clone(), vec![key.to_owned()])?;
-        job.when_matched(WhenMatched::DoNothing)
-            .when_not_matched(WhenNotMatched::InsertAll);
+        job.when_matched(match update_if {
+            Some(expr) => WhenMatched::update_if(&dataset, expr)?,
+            None => WhenMatched::DoNothing,
+        })
+        .when_not_matched(WhenNotMatched::InsertAll);
         let mut merge = job
             .try_build()?
             .execute_uncommitted_batches(vec![batch.clone()])
             .await?;
-        let inserted = merge.stats.num_inserted_rows;
-        if inserted == 0 {
-            // Every key is present: nothing to commit.
+        let (inserted, updated) = (merge.stats.num_inserted_rows, merge.stats.num_updated_rows);
+        if inserted + updated == 0 {
+            // Every key is present (and not older): nothing to commit.
             return Ok((0, 0, dataset.version().version));
         }
         if let Operation::Update {
@@ -782,13 +811,13 @@ async fn insert_absent(
             Ok(committed) => {
                 let version = committed.version().version;
                 handle.update(committed);
-                return Ok((inserted, 0, version));
+                return Ok((inserted, updated, version));
             }
             Err(
                 e @ (lance::Error::RetryableCommitConflict { .. }
                 | lance::Error::TooMuchWriteContention { .. }),
             ) if attempt < INSERT_ATTEMPTS => {
-                tracing::debug!(table = table.name(), attempt, error = %e, "Insert lost a commit race; recomputing it.");
+                tracing::debug!(table = table.name(), attempt, error = %e, "A keyed merge lost a commit race; recomputing it.");
                 table.checkout_latest().await?;
             }
             Err(e) => return Err(e.into()),
@@ -873,6 +902,8 @@ pub(crate) fn fixture(
 
 #[cfg(test)]
 mod tests {
+    use arrow_array::RecordBatchIterator;
+
     use super::*;
 
     fn batches(events: &[String]) -> steamrf_schemas::TableBatches {
@@ -1228,6 +1259,63 @@ mod tests {
         assert_eq!(w.inserted, 0, "the reloaded ledger knows the appended keys");
         assert_eq!(paths(&s), (1, 2));
         assert_eq!(count(&s, t).await, 12);
+    }
+
+    /// Two writers upsert the same new items at the same moment, through
+    /// the key's index (as two instances ingesting one catalogue): each item
+    /// once, at its newest version. LanceDB's own `merge_insert` commits
+    /// without naming the keys on that path and stored such items twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_writers_upserting_the_same_new_items_through_the_index_store_each_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = LanceDbConfig {
+            reindex_rows: 20,
+            ..lancedb_config(dir.path())
+        };
+        let a = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let b = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let rounds = 20;
+        let mut retries = 0;
+        for round in 0..rounds {
+            // Writer a has version 1 of each item, writer b version 2.
+            let version = |v: i64| -> RecordBatch {
+                let events: Vec<String> = (0..25)
+                    .map(|i| {
+                        format!(
+                            r#"{{"type":"item","schema_version":1,"event_id":"r{round}-{i}-v{v}","timestamp":{},"item_id":"r{round}-{i}","title":"v{v}"}}"#,
+                            1000 * v
+                        )
+                    })
+                    .collect();
+                batches(&events).items.unwrap()
+            };
+            let write = |s: LanceSink, batch: RecordBatch| async move {
+                let mut tries = 0;
+                while let Err(e) = s.write(TableName::Items, &batch).await {
+                    tries += 1;
+                    assert!(tries < 20, "{e}");
+                }
+                tries
+            };
+            let (ra, rb) = tokio::join!(
+                tokio::spawn(write(a.clone(), version(1))),
+                tokio::spawn(write(b.clone(), version(2)))
+            );
+            retries += ra.unwrap() + rb.unwrap();
+        }
+        let t = a.table(TableName::Items);
+        t.checkout_latest().await.unwrap();
+        assert!(
+            key_index(t, TableName::Items).await.unwrap().is_some(),
+            "the merges ran through the index"
+        );
+        assert_eq!(
+            t.count_rows(None).await.unwrap(),
+            25 * rounds,
+            "{retries} retries"
+        );
+        let old = t.count_rows(Some("title = 'v1'".into())).await.unwrap();
+        assert_eq!(old, 0, "every item at its newest version");
     }
 
     #[tokio::test]
