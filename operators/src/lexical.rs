@@ -30,6 +30,13 @@ pub fn terms(text: &str) -> impl Iterator<Item = String> + '_ {
         .map(str::to_lowercase)
 }
 
+/// Inverse document frequency of a term held by `df` of `docs` documents
+/// (Lucene's form, never negative).
+pub fn idf(docs: usize, df: usize) -> f64 {
+    let (n, df) = (docs as f64, df as f64);
+    ((n - df + 0.5) / (df + 0.5) + 1.0).ln()
+}
+
 /// A BM25 index over documents numbered `0..len()`.
 #[derive(Debug, Clone, Default)]
 pub struct Bm25Index {
@@ -82,12 +89,8 @@ impl Bm25Index {
         self.lens.is_empty()
     }
 
-    /// Inverse document frequency of a term held by `df` documents
-    /// (Lucene's form, never negative).
     fn idf(&self, df: usize) -> f32 {
-        let n = self.lens.len() as f32;
-        let df = df as f32;
-        ((n - df + 0.5) / (df + 0.5) + 1.0).ln()
+        idf(self.lens.len(), df) as f32
     }
 
     /// The BM25 score of every document that shares a term with `query`

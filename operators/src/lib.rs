@@ -11,6 +11,8 @@
 //!   (RF-Mem over the windows, pooled to rows, fused with [`lexical`] BM25).
 //! - [`fuse`]: several rankers as one weighted sum of standardised scores,
 //!   the weights fitted on a validation split.
+//! - [`rank`]: the recommendation ranker of `eval steam` and
+//!   `/v1/recommend`: STEAM's score fused with item-CF, BM25 and popularity.
 //!
 //! It holds the micro-batching policy shared by every stage
 //! ([`batch::BatchPolicy`], [`batch::BatchTracker`]): a batch is flushed when
@@ -28,5 +30,6 @@ mod http;
 pub mod lexical;
 pub mod llm;
 pub mod passage;
+pub mod rank;
 pub mod rfmem;
 pub mod steam;

@@ -139,6 +139,46 @@ pub struct ServeConfig {
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
     /// How window, whole-row and lexical scores combine (`[serve.hybrid]`).
     pub hybrid: steamrf_operators::passage::HybridParams,
+    /// How `/v1/recommend` ranks (`[serve.ranker]`).
+    pub ranker: RankerConfig,
+}
+
+/// `[serve.ranker]`: the recommendation ranker's weights and bounds.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankerConfig {
+    /// STEAM's `recommend` score.
+    pub steam: f64,
+    /// Item-item CF over the history.
+    pub item_cf: f64,
+    /// BM25 of the item's text against the history's texts.
+    pub bm25: f64,
+    /// Distinct users per item.
+    pub popularity: f64,
+    /// Most recent distinct history items scored against.
+    pub max_history: usize,
+    /// Item statistics are rebuilt at most this often.
+    #[serde(with = "humantime_serde_compat")]
+    pub stats_interval: Duration,
+}
+
+impl RankerConfig {
+    /// The weights.
+    pub fn weights(&self) -> steamrf_operators::rank::Weights {
+        steamrf_operators::rank::Weights {
+            steam: self.steam,
+            item_cf: self.item_cf,
+            bm25: self.bm25,
+            popularity: self.popularity,
+        }
+    }
+
+    /// The bounds.
+    pub fn params(&self) -> steamrf_operators::rank::RankParams {
+        steamrf_operators::rank::RankParams {
+            max_history: self.max_history,
+        }
+    }
 }
 
 /// `[steam]`
@@ -945,6 +985,10 @@ impl Config {
             ));
         }
         let v = &self.serve;
+        p.extend(v.ranker.weights().problems("serve.ranker"));
+        if v.ranker.max_history == 0 {
+            p.push("serve.ranker.max_history: must be at least 1".to_owned());
+        }
         if v.listen.parse::<std::net::SocketAddr>().is_err() {
             p.push(format!(
                 "serve.listen: {:?} is not an address like 127.0.0.1:8090",

@@ -124,6 +124,9 @@ enum EvalCmd {
         /// Where the markdown table goes.
         #[arg(long, default_value = "results")]
         out: PathBuf,
+        /// Write the fused ranker's weights, fitted on the validation split, to this config file (`[serve.ranker]`, for `steamrf serve -c`).
+        #[arg(long)]
+        fit_out: Option<PathBuf>,
         /// Configuration, for [embed].
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
@@ -509,6 +512,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     subset,
                     seeds,
                     out,
+                    fit_out,
                     config,
                 },
         } => {
@@ -520,6 +524,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 embed: config.embed,
                 out,
                 task,
+                fit_out,
             })
             .await
             .context("eval steam")?;

@@ -27,10 +27,12 @@ use rand::{SeedableRng, rngs::StdRng};
 
 use super::plot::{self, Series};
 use super::steam::{
-    Bm25, Catalogue, ItemUsers, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue,
-    embed_items, histories, mean_sd, ml_sample, movielens, negative_pool, rankers, steam_states,
-    unseen, users,
+    Catalogue, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue, embed_items,
+    histories, item_cf, item_text, mean_sd, ml_sample, movielens, negative_pool, rankers,
+    steam_states, unseen, users,
 };
+use steamrf_operators::rank::ItemText;
+
 use crate::error::Result;
 
 /// Items shown to an agent.
@@ -177,14 +179,13 @@ fn precision_f1(answers: impl Iterator<Item = (bool, bool)>) -> (f64, f64) {
 fn simulate_one(
     s: &SimSample,
     items: &Items,
-    texts: &HashMap<String, String>,
-    bm25: &Bm25,
+    text: &ItemText,
     seed: u64,
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
     let states = steam_states(&s.users, items)?;
-    let cf = ItemUsers::new(&s.train);
-    let rankers = rankers(&states, items, &cf, texts, bm25, seed);
+    let cf = item_cf(&s.train);
+    let rankers = rankers(&states, items, &cf, text, seed);
     let mut out = Vec::new();
     for (name, rank) in &rankers {
         let scores: Vec<Vec<Vec<f64>>> = s
@@ -330,11 +331,11 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
         .collect();
     let catalogue: Catalogue = (meta, ML_TEMPLATE);
     let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
-    let bm25 = Bm25::new(&texts);
+    let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
     let mut per_seed = Vec::new();
     for (s, &seed) in samples.iter().zip(&e.seeds) {
-        per_seed.push(simulate_one(s, &items, &texts, &bm25, seed, &bar)?);
+        per_seed.push(simulate_one(s, &items, &text, seed, &bar)?);
     }
     bar.finish_and_clear();
     let (table, series) = summarise(
@@ -415,14 +416,14 @@ fn diversity_one(
     users: &[User],
     pool: &[String],
     train: &[(String, String)],
-    (items, texts, bm25): (&Items, &HashMap<String, String>, &Bm25),
+    (items, text): (&Items, &ItemText),
     meta: &HashMap<String, (String, String)>,
     seed: u64,
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
     let states = steam_states(users, items)?;
-    let cf = ItemUsers::new(train);
-    let rankers: Vec<(&'static str, Ranker<'_>)> = rankers(&states, items, &cf, texts, bm25, seed);
+    let cf = item_cf(train);
+    let rankers: Vec<(&'static str, Ranker<'_>)> = rankers(&states, items, &cf, text, seed);
     let mut out = Vec::new();
     for (name, rank) in &rankers {
         let mut acc = [0.0f64; 4];
@@ -520,7 +521,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
         })
         .collect();
     let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
-    let bm25 = Bm25::new(&texts);
+    let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
     let mut per_seed = Vec::new();
     for ((us, pool, train), &seed) in runs.iter().zip(&e.seeds) {
@@ -533,7 +534,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
             us,
             &pool,
             train,
-            (&items, &texts, &bm25),
+            (&items, &text),
             &catalogue.0,
             seed,
             &bar,

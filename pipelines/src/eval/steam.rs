@@ -28,6 +28,9 @@ use std::time::Instant;
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
 use steamrf_kernels::cpu::CpuKernel;
+use steamrf_operators::fuse::{self, Fit};
+use steamrf_operators::lexical::Bm25Params;
+use steamrf_operators::rank::{self, ItemCf, ItemText, RankParams, Weights};
 use steamrf_operators::steam::memory::{EvolveParams, Observation};
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::{MemoryView, RecommendParams, recommend};
@@ -56,6 +59,9 @@ pub struct SteamEval {
     pub out: PathBuf,
     /// ranking, simulation (the AFL protocol) or diversity.
     pub task: String,
+    /// Where to write the fused ranker's fitted weights as a config file
+    /// (`[serve.ranker]`), for `steamrf serve -c`.
+    pub fit_out: Option<PathBuf>,
 }
 
 #[derive(Clone)]
@@ -191,73 +197,6 @@ fn ndcg_at(rank: usize, k: usize) -> f64 {
 /// A ranker: candidates (in the shuffled order) → scores (higher is better;
 /// ties keep the shuffled order).
 pub(super) type Ranker<'a> = Box<dyn Fn(&User, &[String]) -> Vec<f64> + 'a>;
-
-/// BM25 (k1 = 1.2, b = 0.75) of each candidate's text against the history's
-/// texts. A query term counts once per occurrence in the query.
-pub(super) struct Bm25 {
-    /// Per document: its distinct terms with their counts, and its length.
-    docs: HashMap<String, (Vec<(String, u32)>, usize)>,
-    /// Inverse document frequency per term.
-    idf: HashMap<String, f64>,
-    avg: f64,
-}
-
-pub(super) fn tokens(s: &str) -> Vec<String> {
-    s.split(|c: char| !c.is_alphanumeric())
-        .filter(|w| !w.is_empty())
-        .map(str::to_lowercase)
-        .collect()
-}
-
-impl Bm25 {
-    pub(super) fn new(texts: &HashMap<String, String>) -> Self {
-        let mut df: HashMap<String, usize> = HashMap::new();
-        let mut docs = HashMap::with_capacity(texts.len());
-        for (k, v) in texts {
-            let t = tokens(v);
-            let len = t.len();
-            let mut counts: BTreeMap<String, u32> = BTreeMap::new();
-            for w in t {
-                *counts.entry(w).or_insert(0) += 1;
-            }
-            for w in counts.keys() {
-                *df.entry(w.clone()).or_insert(0) += 1;
-            }
-            docs.insert(k.clone(), (counts.into_iter().collect(), len));
-        }
-        let n = docs.len().max(1) as f64;
-        let avg = docs.values().map(|d| d.1).sum::<usize>() as f64 / n;
-        let idf = df
-            .into_iter()
-            .map(|(w, d)| (w, ((n - d as f64 + 0.5) / (d as f64 + 0.5) + 1.0).ln()))
-            .collect();
-        Self { docs, idf, avg }
-    }
-
-    /// A query's term counts, built once for many documents.
-    pub(super) fn query(terms: &[String]) -> HashMap<&str, f64> {
-        let mut q = HashMap::new();
-        for t in terms {
-            *q.entry(t.as_str()).or_insert(0.0) += 1.0;
-        }
-        q
-    }
-
-    pub(super) fn score(&self, query: &HashMap<&str, f64>, doc: &str) -> f64 {
-        let Some((terms, len)) = self.docs.get(doc) else {
-            return 0.0;
-        };
-        let norm = 1.2 * (0.25 + 0.75 * *len as f64 / self.avg);
-        terms
-            .iter()
-            .filter_map(|(w, tf)| {
-                let times = query.get(w.as_str())?;
-                let tf = f64::from(*tf);
-                Some(times * self.idf[w] * tf * 2.2 / (tf + norm))
-            })
-            .sum()
-    }
-}
 
 pub(super) type Items = HashMap<String, (String, String, Vec<f32>)>;
 
@@ -580,51 +519,6 @@ pub(super) fn paper_sample(mut s: Sample) -> Sample {
 /// History length of [`paper_sample`].
 const PAPER_HISTORY: usize = 5;
 
-/// Item-item cosine over who interacted: one bitset of users per item.
-pub(super) struct ItemUsers {
-    sets: HashMap<String, Vec<u64>>,
-    counts: HashMap<String, f64>,
-}
-
-impl ItemUsers {
-    pub(super) fn new(train: &[(String, String)]) -> Self {
-        let mut index: HashMap<&str, usize> = HashMap::new();
-        for (u, _) in train {
-            let n = index.len();
-            index.entry(u).or_insert(n);
-        }
-        let words = index.len().div_ceil(64).max(1);
-        let mut sets: HashMap<String, Vec<u64>> = HashMap::new();
-        for (u, i) in train {
-            let b = index[u.as_str()];
-            sets.entry(i.clone()).or_insert_with(|| vec![0; words])[b / 64] |= 1 << (b % 64);
-        }
-        let counts = sets
-            .iter()
-            .map(|(i, s)| {
-                (
-                    i.clone(),
-                    f64::from(s.iter().map(|w| w.count_ones()).sum::<u32>()),
-                )
-            })
-            .collect();
-        Self { sets, counts }
-    }
-
-    pub(super) fn count(&self, i: &str) -> f64 {
-        self.counts.get(i).copied().unwrap_or(0.0)
-    }
-
-    pub(super) fn cosine(&self, a: &str, b: &str) -> f64 {
-        let (Some(x), Some(y)) = (self.sets.get(a), self.sets.get(b)) else {
-            return 0.0;
-        };
-        let co: u32 = x.iter().zip(y).map(|(p, q)| (p & q).count_ones()).sum();
-        let n = (self.count(a) * self.count(b)).sqrt();
-        if n > 0.0 { f64::from(co) / n } else { 0.0 }
-    }
-}
-
 /// The STEAM states of the full method, w/o MC and w/o AMU.
 pub(super) fn steam_states(users: &[User], items: &Items) -> Result<[SteamState; 3]> {
     let [full, no_mc, no_amu] = ablations();
@@ -647,14 +541,34 @@ fn noise(seed: u64, user: &str, item: &str) -> f64 {
     (h ^ (h >> 31)) as f64 / 2f64.powi(64)
 }
 
+/// One signal of the recommendation ranker ([`rank::features`], the code
+/// `/v1/recommend` runs) as a ranker: `column` of its features, with the
+/// STEAM score left at 0.
+fn signal<'a>(cf: Option<&'a ItemCf>, text: Option<&'a ItemText>, column: usize) -> Ranker<'a> {
+    Box::new(move |u: &User, c: &[String]| {
+        let history: Vec<&str> = u.history.iter().map(String::as_str).collect();
+        let cands: Vec<&str> = c.iter().map(String::as_str).collect();
+        let signals = rank::Signals { item_cf: cf, text };
+        rank::features(
+            &vec![0.0; c.len()],
+            &history,
+            &cands,
+            signals,
+            RankParams::default(),
+        )
+        .into_iter()
+        .map(|f| f[column])
+        .collect()
+    })
+}
+
 /// steamrf (states: full, w/o MC, w/o AMU) with its ablations, and the
 /// baselines, each as a scorer of candidates.
 pub(super) fn rankers<'a>(
     states: &'a [SteamState; 3],
     items: &'a Items,
-    cf: &'a ItemUsers,
-    texts: &'a HashMap<String, String>,
-    bm25: &'a Bm25,
+    cf: &'a ItemCf,
+    text: &'a ItemText,
     seed: u64,
 ) -> Vec<(&'static str, Ranker<'a>)> {
     let (rec, no_cc) = recommend_params();
@@ -693,28 +607,10 @@ pub(super) fn rankers<'a>(
         ),
         (
             "popularity",
-            Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.count(i)).collect()),
+            Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.popularity(i)).collect()),
         ),
-        (
-            "item-item CF",
-            Box::new(|u: &User, c: &[String]| {
-                c.iter()
-                    .map(|i| u.history.iter().map(|h| cf.cosine(h, i)).sum())
-                    .collect()
-            }),
-        ),
-        (
-            "BM25 (item text)",
-            Box::new(|u: &User, c: &[String]| {
-                let terms: Vec<String> = u
-                    .history
-                    .iter()
-                    .flat_map(|h| tokens(texts.get(h).map_or("", String::as_str)))
-                    .collect();
-                let q = Bm25::query(&terms);
-                c.iter().map(|i| bm25.score(&q, i)).collect()
-            }),
-        ),
+        ("item-item CF", signal(Some(cf), None, 1)),
+        ("BM25 (item text)", signal(None, Some(text), 2)),
     ]
 }
 
@@ -726,7 +622,7 @@ type Evaluated = (
     (usize, usize, usize, usize),
 );
 
-/// The rankers the fused ranker combines, in its weights' order.
+/// The rankers the fused ranker combines, in the order of [`rank::SIGNALS`].
 const FUSED_FEATURES: [&str; 4] = [
     "steamrf (STEAM)",
     "item-item CF",
@@ -736,6 +632,9 @@ const FUSED_FEATURES: [&str; 4] = [
 
 /// The fused ranker's row name.
 const FUSED: &str = "steamrf fused (STEAM + CF + BM25 + popularity, fit on valid)";
+
+/// The same fit without STEAM: what STEAM's share is worth.
+const FUSED_NO_STEAM: &str = "fused w/o STEAM (CF + BM25 + popularity, fit on valid)";
 
 /// Every method's scores for each user's candidates: `[method][user][candidate]`.
 fn score_all(
@@ -750,23 +649,31 @@ fn score_all(
 }
 
 /// The positions of [`FUSED_FEATURES`] among `names`.
-fn feature_rows(names: &[&str]) -> Result<Vec<usize>> {
-    FUSED_FEATURES
-        .iter()
-        .map(|f| {
-            names
-                .iter()
-                .position(|n| n == f)
-                .ok_or_else(|| bad(format!("no {f} ranker to fuse")))
-        })
+fn feature_rows(names: &[&str]) -> Result<[usize; 4]> {
+    let mut rows = [0; 4];
+    for (row, f) in rows.iter_mut().zip(FUSED_FEATURES) {
+        *row = names
+            .iter()
+            .position(|n| *n == f)
+            .ok_or_else(|| bad(format!("no {f} ranker to fuse")))?;
+    }
+    Ok(rows)
+}
+
+/// [`rank::features`] of one user's candidates, from `[method][user][candidate]`
+/// scores (whose signal rows are that function's columns).
+fn features_of(scores: &[Vec<Vec<f64>>], rows: &[usize; 4], user: usize) -> Vec<[f64; 4]> {
+    (0..scores[rows[0]][user].len())
+        .map(|c| rows.map(|r| scores[r][user][c]))
         .collect()
 }
 
-/// `[candidate][feature]` of one user from `[method][user][candidate]` scores.
-fn features_of(scores: &[Vec<Vec<f64>>], rows: &[usize], user: usize) -> Vec<Vec<f64>> {
-    (0..scores[rows[0]][user].len())
-        .map(|c| rows.iter().map(|&r| scores[r][user][c]).collect())
-        .collect()
+/// The fused ranker's weights, and the same fit with STEAM left out.
+pub(super) struct Fitted {
+    /// All four signals.
+    pub(super) with_steam: Fit,
+    /// STEAM's weight held at 0.
+    pub(super) without_steam: Fit,
 }
 
 /// Fits the fused ranker's weights on a validation sample (its own STEAM
@@ -774,14 +681,13 @@ fn features_of(scores: &[Vec<Vec<f64>>], rows: &[usize], user: usize) -> Vec<Vec
 pub(super) fn fit_fused(
     valid: &Sample,
     items: &Items,
-    texts: &HashMap<String, String>,
-    bm25: &Bm25,
+    text: &ItemText,
     seed: u64,
-) -> Result<steamrf_operators::fuse::Fit> {
+) -> Result<Fitted> {
     let learners: Vec<User> = valid.users.iter().chain(&valid.others).cloned().collect();
     let states = steam_states(&learners, items)?;
-    let cf = ItemUsers::new(&valid.train);
-    let rankers = rankers(&states, items, &cf, texts, bm25, seed);
+    let cf = item_cf(&valid.train);
+    let rankers = rankers(&states, items, &cf, text, seed);
     let cands: Vec<Vec<String>> = valid
         .users
         .iter()
@@ -794,35 +700,79 @@ pub(super) fn fit_fused(
     let scores = score_all(&rankers, &valid.users, &cands);
     let names: Vec<&str> = rankers.iter().map(|r| r.0).collect();
     let rows = feature_rows(&names)?;
-    let queries: Vec<steamrf_operators::fuse::Query> = (0..valid.users.len())
-        .map(|u| steamrf_operators::fuse::Query {
-            scores: features_of(&scores, &rows, u),
-            target: cands[u].len() - 1,
-        })
-        .collect();
-    Ok(steamrf_operators::fuse::fit(
-        &queries,
-        FUSED_FEATURES.len(),
-        10,
-    ))
+    let queries = |from: usize| -> Vec<fuse::Query> {
+        (0..valid.users.len())
+            .map(|u| fuse::Query {
+                scores: features_of(&scores, &rows, u)
+                    .into_iter()
+                    .map(|f| f[from..].to_vec())
+                    .collect(),
+                target: cands[u].len() - 1,
+            })
+            .collect()
+    };
+    let with_steam = fuse::fit(&queries(0), 4, 10);
+    let mut without_steam = fuse::fit(&queries(1), 3, 10);
+    without_steam.weights.insert(0, 0.0);
+    Ok(Fitted {
+        with_steam,
+        without_steam,
+    })
 }
 
-/// Every method on one sample; with `fused` weights also the fused ranker.
+/// Writes `fit`'s weights as a config file holding only `[serve.ranker]`,
+/// with a comment saying where they come from.
+fn write_weights(path: &Path, e: &SteamEval, fit: &Fit) -> Result<()> {
+    let w = Weights::from_slice(&fit.weights);
+    let body = format!(
+        "# The fused ranker's weights, fitted by `steamrf eval steam --data {} --subset {}` on its\n\
+         # validation split (never the test targets): validation NDCG@10 {:.4}.\n\
+         # `steamrf serve -c {}` ranks /v1/recommend with them (docs/retrieval.md).\n\
+         [serve.ranker]\nsteam = {}\nitem_cf = {}\nbm25 = {}\npopularity = {}\n",
+        e.data.display(),
+        e.subset,
+        fit.ndcg10,
+        path.display(),
+        w.steam,
+        w.item_cf,
+        w.bm25,
+        w.popularity,
+    );
+    std::fs::write(path, body).map_err(|source| Error::Io {
+        context: format!("writing {}", path.display()),
+        source,
+    })
+}
+
+/// Users per item from the training interactions.
+pub(super) fn item_cf(train: &[(String, String)]) -> ItemCf {
+    ItemCf::new(train.iter().map(|(u, i)| (u.as_str(), i.as_str())))
+}
+
+/// BM25 over the items' texts.
+pub(super) fn item_text(texts: &HashMap<String, String>) -> ItemText {
+    ItemText::new(
+        texts.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        Bm25Params::default(),
+    )
+}
+
+/// Every method on one sample; with `fused` weights also the fused ranker
+/// and its fit without STEAM.
 fn evaluate(
     sample: &Sample,
     items: &Items,
-    texts: &HashMap<String, String>,
-    bm25: &Bm25,
+    text: &ItemText,
     seed: u64,
-    fused: Option<&[f64]>,
+    fused: Option<&Fitted>,
 ) -> Result<Evaluated> {
     let users = &sample.users;
     // STEAM learns from the same interactions as the baselines: the test
     // users' histories and every other user's.
     let learners: Vec<User> = users.iter().chain(&sample.others).cloned().collect();
     let states = steam_states(&learners, items)?;
-    let cf = ItemUsers::new(&sample.train);
-    let rankers = rankers(&states, items, &cf, texts, bm25, seed);
+    let cf = item_cf(&sample.train);
+    let rankers = rankers(&states, items, &cf, text, seed);
     let mut rng = StdRng::seed_from_u64(seed);
     let cands: Vec<Vec<String>> = users
         .iter()
@@ -835,13 +785,16 @@ fn evaluate(
         .collect();
     let mut scores = score_all(&rankers, users, &cands);
     let mut names: Vec<&'static str> = rankers.iter().map(|r| r.0).collect();
-    if let Some(w) = fused {
+    if let Some(f) = fused {
         let rows = feature_rows(&names)?;
-        let fused_scores = (0..users.len())
-            .map(|u| steamrf_operators::fuse::fuse(w, &features_of(&scores, &rows, u)))
-            .collect();
-        scores.push(fused_scores);
-        names.push(FUSED);
+        for (fit, name) in [(&f.with_steam, FUSED), (&f.without_steam, FUSED_NO_STEAM)] {
+            let w = Weights::from_slice(&fit.weights);
+            let fused_scores = (0..users.len())
+                .map(|u| rank::score(&w, &features_of(&scores, &rows, u)))
+                .collect();
+            scores.push(fused_scores);
+            names.push(name);
+        }
     }
     let mut out = Vec::new();
     for (name, by_user) in names.into_iter().zip(scores) {
@@ -1084,29 +1037,41 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         e.seeds
     )];
 
-    let bm25 = Bm25::new(&texts);
+    let text = item_text(&texts);
     let fitted = match &valid {
         Some(v) => {
             let seed = e.seeds.first().copied().unwrap_or(0);
-            let fit = fit_fused(v, &items, &texts, &bm25, seed)?;
-            let weights: Vec<String> = FUSED_FEATURES
-                .iter()
-                .zip(&fit.weights)
-                .map(|(f, w)| format!("{f} {w:.1}"))
-                .collect();
-            out.push(format!(
-                "  fused ranker fitted on the validation split ({} users, {}): weights {}; validation NDCG@10 {:.4} ({} grid points)",
-                v.users.len(),
-                if e.subset.starts_with("ml100k") {
-                    "each predicting its second-to-last rating; the last is held out of all training data"
-                } else {
-                    "7th item from the first 6"
-                },
-                weights.join(", "),
-                fit.ndcg10,
-                fit.tried
-            ));
-            Some(fit.weights)
+            let f = fit_fused(v, &items, &text, seed)?;
+            let split = if e.subset.starts_with("ml100k") {
+                "each predicting its second-to-last rating; the last is held out of all training data"
+            } else {
+                "7th item from the first 6"
+            };
+            for (fit, what) in [
+                (&f.with_steam, "fused ranker"),
+                (&f.without_steam, "fused ranker w/o STEAM"),
+            ] {
+                let weights: Vec<String> = FUSED_FEATURES
+                    .iter()
+                    .zip(&fit.weights)
+                    .map(|(f, w)| format!("{f} {w:.1}"))
+                    .collect();
+                out.push(format!(
+                    "  {what} fitted on the validation split ({} users, {split}): weights {}; validation NDCG@10 {:.4} ({} grid points)",
+                    v.users.len(),
+                    weights.join(", "),
+                    fit.ndcg10,
+                    fit.tried
+                ));
+            }
+            if let Some(path) = &e.fit_out {
+                write_weights(path, &e, &f.with_steam)?;
+                out.push(format!(
+                    "  fused weights written to {} (`steamrf serve -c` it, or copy its [serve.ranker] section)",
+                    path.display()
+                ));
+            }
+            Some(f)
         }
         None => None,
     };
@@ -1119,7 +1084,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let mut memories = (0, 0, 0, 0);
     let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
-        let (rows, m) = evaluate(sample, &items, &texts, &bm25, seed, fitted.as_deref())?;
+        let (rows, m) = evaluate(sample, &items, &text, seed, fitted.as_ref())?;
         bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();
@@ -1206,6 +1171,30 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
             ));
         }
     }
+    // What STEAM's share of the fused ranker is worth (paired).
+    let no_steam_row = names.iter().position(|n| *n == FUSED_NO_STEAM);
+    let steam_share: Option<Vec<(f64, f64, f64)>> = fused_row.zip(no_steam_row).map(|(f, g)| {
+        (0..3)
+            .map(|m| {
+                let d: Vec<f64> = units[f]
+                    .iter()
+                    .zip(&units[g])
+                    .map(|(a, b)| a[m] - b[m])
+                    .collect();
+                ci(&d)
+            })
+            .collect()
+    });
+    if let Some(share) = &steam_share {
+        let cells: Vec<String> = share
+            .iter()
+            .map(|(d, lo, hi)| format!("{d:+.3} [{lo:+.3}, {hi:+.3}]"))
+            .collect();
+        table.push_str(&format!(
+            "| fused − fused w/o STEAM | {} |\n",
+            cells.join(" | ")
+        ));
+    }
     let diffs = against_best(0);
     let headline = [0, 1, 2].map(|m| ci(&column(0, m)));
     let file = super::write_table(&e.out, &format!("steam-{}.md", e.subset), &table)?;
@@ -1266,6 +1255,11 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
             ));
         }
     }
+    if let Some((d, lo, hi)) = steam_share.as_ref().and_then(|s| s.get(2)) {
+        result.push_str(&format!(
+            " steam_share10={d:.4} steam_share10_ci95_low={lo:.4} steam_share10_ci95_high={hi:.4}"
+        ));
+    }
     result.push_str(&format!(" users={n_users}"));
     for (m, k) in [1, 5, 10].into_iter().enumerate() {
         let (_, lo, hi) = headline[m];
@@ -1316,12 +1310,11 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
-        let b = Bm25::new(&texts);
-        let terms = tokens("Giant Steps jazz");
-        let q = Bm25::query(&terms);
-        assert!(b.score(&q, "a") > b.score(&q, "b"));
-        assert!(b.score(&q, "c") > b.score(&q, "b"));
-        assert_eq!(b.score(&q, "missing"), 0.0);
+        let b = item_text(&texts);
+        // The history is "Kind of Blue" (Jazz).
+        let s = b.scores(&["c"], &["a", "b", "missing"]);
+        assert!(s[0] > s[1], "{s:?}");
+        assert_eq!(s[2], 0.0);
     }
 
     #[test]

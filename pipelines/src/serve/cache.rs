@@ -21,7 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Int32Type, Int64Type, TimestampMillisecondType, UInt64Type};
@@ -36,6 +36,7 @@ use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::lexical::{Bm25Index, Bm25Params};
 use steamrf_operators::passage::PassageIndex;
+use steamrf_operators::rank::{ItemCf, ItemText, Signals};
 use steamrf_operators::rfmem::VectorStore;
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::MemoryView;
@@ -128,6 +129,10 @@ pub struct UserData {
     /// Clicks on items the catalogue did not have were left out; a
     /// catalogue change evicts such entries.
     pub unresolved: bool,
+    /// The items of the user's interactions, oldest first (every item,
+    /// in the catalogue or not): the history the ranker's item-CF and
+    /// BM25 score against.
+    pub history: Vec<String>,
     /// Estimated heap bytes (what `serve.cache_bytes` counts).
     pub bytes: usize,
 }
@@ -187,6 +192,12 @@ pub struct Snapshot {
     pub versions: BTreeMap<&'static str, u64>,
     /// How long the last refresh took.
     pub load_time: Duration,
+    /// BM25 over the catalogue's texts, when `serve.ranker.bm25` weighs it.
+    pub text: Option<Arc<ItemText>>,
+    /// Users per item, when `serve.ranker` weighs item-CF or popularity.
+    pub item_cf: Option<Arc<ItemCf>>,
+    /// When `item_cf` was read, and the `interactions` version it read.
+    pub item_cf_at: Option<(Instant, u64)>,
 }
 
 impl Snapshot {
@@ -202,6 +213,17 @@ impl Snapshot {
             community_of: Arc::new(community_of),
             versions: BTreeMap::new(),
             load_time: Duration::ZERO,
+            text: None,
+            item_cf: None,
+            item_cf_at: None,
+        }
+    }
+
+    /// What the ranker's non-STEAM signals are computed from.
+    pub fn signals(&self) -> Signals<'_> {
+        Signals {
+            item_cf: self.item_cf.as_deref(),
+            text: self.text.as_deref(),
         }
     }
 
@@ -501,6 +523,18 @@ impl Cache {
 pub struct Tables {
     db: Connection,
     open: std::sync::RwLock<BTreeMap<&'static str, Table>>,
+    /// What the ranker needs beyond the catalogue's vectors.
+    signals: SignalSources,
+}
+
+/// Which of the ranker's statistics the snapshot keeps (`serve.ranker`).
+#[derive(Debug, Clone, Default)]
+pub struct SignalSources {
+    /// BM25 over the items' texts, made with this template
+    /// (`embed.item_template`, the text the items' vectors are made from).
+    pub item_template: Option<String>,
+    /// Users per item from `interactions`, re-read at most this often.
+    pub item_cf: Option<Duration>,
 }
 
 /// The `interactions` columns a corpus is built from, in the order `build` reads them.
@@ -552,12 +586,43 @@ fn lance_err(context: &str) -> impl FnOnce(lance::Error) -> Error + '_ {
 }
 
 impl Tables {
-    /// Over `db`.
-    pub fn new(db: Connection) -> Self {
+    /// Over `db`, keeping the statistics `signals` asks for.
+    pub fn new(db: Connection, signals: SignalSources) -> Self {
         Self {
             db,
             open: std::sync::RwLock::new(BTreeMap::new()),
+            signals,
         }
+    }
+
+    /// Whether users per item are kept, and how often they are re-read.
+    pub fn item_cf_interval(&self) -> Option<Duration> {
+        self.signals.item_cf
+    }
+
+    /// Users per item from every `interactions` row with an item.
+    ///
+    /// # Errors
+    /// LanceDB failures.
+    pub async fn item_cf(&self) -> Result<ItemCf> {
+        let batches = self
+            .query(
+                "interactions",
+                &["user_id", "item_id"],
+                Some("item_id IS NOT NULL".to_owned()),
+            )
+            .await?;
+        tokio::task::spawn_blocking(move || {
+            ItemCf::new(batches.iter().flat_map(|b| {
+                let users = b.column(0).as_string::<i32>();
+                let items = b.column(1).as_string::<i32>();
+                users.iter().zip(items.iter()).filter_map(|(u, i)| u.zip(i))
+            }))
+        })
+        .await
+        .map_err(|e| Error::Internal {
+            message: format!("reading the item statistics panicked: {e}"),
+        })
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<&'static str, Table>> {
@@ -646,9 +711,11 @@ impl Tables {
     /// # Errors
     /// LanceDB failures.
     pub async fn load_shared(&self) -> Result<Snapshot> {
-        let items = self
-            .query("items", &["item_id", "title", "embedding"], None)
-            .await?;
+        let mut columns = vec!["item_id", "title", "embedding"];
+        if self.signals.item_template.is_some() {
+            columns.extend(["categories", "description"]);
+        }
+        let items = self.query("items", &columns, None).await?;
         let protos = self
             .query(
                 "prototypes",
@@ -662,11 +729,16 @@ impl Tables {
                 None,
             )
             .await?;
-        tokio::task::spawn_blocking(move || Snapshot::new(catalogue(&items), prototypes(&protos)))
-            .await
-            .map_err(|e| Error::Internal {
-                message: format!("reading the catalogue panicked: {e}"),
-            })
+        let template = self.signals.item_template.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut snap = Snapshot::new(catalogue(&items), prototypes(&protos));
+            snap.text = template.map(|t| Arc::new(item_texts(&items, &t)));
+            snap
+        })
+        .await
+        .map_err(|e| Error::Internal {
+            message: format!("reading the catalogue panicked: {e}"),
+        })
     }
 
     /// The rows of `name` that versions after `from` up to the handle's
@@ -904,6 +976,31 @@ pub fn catalogue(items: &[RecordBatch]) -> HashMap<String, ItemInfo> {
     out
 }
 
+/// BM25 over the items' texts in `items` batches (`item_id`, `title`,
+/// `embedding`, `categories`, `description`), each made with `template` as
+/// ingest makes the text it embeds.
+pub fn item_texts(items: &[RecordBatch], template: &str) -> ItemText {
+    let mut texts: Vec<(String, String)> = Vec::new();
+    for b in items {
+        let id = b.column(0).as_string::<i32>();
+        let title = b.column(1).as_string::<i32>();
+        let categories = b.column(3).as_list::<i32>();
+        for r in 0..b.num_rows() {
+            let cats = categories.value(r);
+            let cats: Vec<&str> = cats.as_string::<i32>().iter().flatten().collect();
+            let description = opt_str(b.column(4), r).unwrap_or("");
+            texts.push((
+                id.value(r).to_owned(),
+                crate::embed::item_text(template, title.value(r), &cats, description),
+            ));
+        }
+    }
+    ItemText::new(
+        texts.iter().map(|(i, t)| (i.as_str(), t.as_str())),
+        Bm25Params::default(),
+    )
+}
+
 /// The prototypes in `prototypes` batches (`prototype_id`, `content`,
 /// `embedding`, `member_ids`, `users`).
 fn prototypes(batches: &[RecordBatch]) -> HashMap<MemoryId, Prototype> {
@@ -1023,6 +1120,7 @@ pub fn build_user(
     let mut rows: Vec<Row> = Vec::new();
     let mut unresolved = false;
     let mut sessions: BTreeMap<String, Vec<Turn>> = BTreeMap::new();
+    let mut history: Vec<(i64, &str)> = Vec::new();
     for b in interactions {
         let event = b.column(0).as_string::<i32>();
         let kind = b.column(1).as_string::<i32>();
@@ -1030,6 +1128,9 @@ pub fn build_user(
         let part = b.column(8).as_primitive::<Int32Type>();
         let offset = b.column(9).as_primitive::<Int64Type>();
         for r in 0..b.num_rows() {
+            if let Some(item) = opt_str(b.column(4), r) {
+                history.push((ts.value(r), item));
+            }
             let source = Some((part.value(r), offset.value(r)));
             let e = turn_vector.get(event.value(r)).copied();
             if let (Some(text), Some(e)) = (opt_str(b.column(7), r), e) {
@@ -1223,8 +1324,11 @@ pub fn build_user(
         lexical,
     )
     .map_err(internal)?;
+    history.sort_by_key(|h| h.0);
+    let history: Vec<String> = history.into_iter().map(|h| h.1.to_owned()).collect();
     let bytes = size_of::<UserData>()
         + user_id.len() * 2
+        + history.iter().map(|h| h.len() + 24).sum::<usize>()
         + vector_bytes
         + index.bytes()
         + entries.iter().map(Entry::bytes).sum::<usize>()
@@ -1233,6 +1337,7 @@ pub fn build_user(
         corpus: UserCorpus { entries, index },
         memories: mems,
         unresolved,
+        history,
         bytes,
     })
 }
@@ -1447,6 +1552,8 @@ mod tests {
         assert_eq!(u.index.rows().vector(0)[1], 1.0);
         assert_eq!(u.index.rows().vector(3)[3], 1.0);
         assert!(items.contains_key("i1"));
+        // The ranker's history holds every clicked item, oldest first.
+        assert_eq!(load(false).0.history, ["i1", "nope"]);
     }
 
     #[test]
@@ -1548,7 +1655,10 @@ mod tests {
         write_turn(&sink, "ann", "a1", 1).await;
         write_turn(&sink, "o'brien", "o1", 2).await;
         write_turn(&sink, "ben", "b1", 3).await;
-        let tables = Tables::new(crate::sink::connect(&config.lancedb).await.unwrap());
+        let tables = Tables::new(
+            crate::sink::connect(&config.lancedb).await.unwrap(),
+            SignalSources::default(),
+        );
         let v1 = tables.versions().await.unwrap()["interactions"];
         let snap = tables.load_shared().await.unwrap();
         let cfg = &config.serve;
@@ -1592,6 +1702,71 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+    }
+
+    #[tokio::test]
+    async fn the_rankers_statistics_come_from_the_tables() {
+        use crate::metrics::Metrics;
+        use crate::sink::LanceSink;
+        use steamrf_schemas::TableName;
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::load_with_env(None, []).unwrap();
+        config.lancedb.uri = dir.path().to_str().unwrap().to_owned();
+        let sink = LanceSink::open(&config.lancedb, Metrics::new(&[]))
+            .await
+            .unwrap();
+        let click = |id: &str, user: &str, item: &str| {
+            format!(
+                r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":1000,"user_id":"{user}","item_id":"{item}"}}"#
+            )
+        };
+        let events = [
+            click("c1", "ann", "kind-of-blue"),
+            click("c2", "ann", "blue-train"),
+            click("c3", "ben", "kind-of-blue"),
+            click("c4", "ben", "blue-train"),
+            click("c5", "ben", "blue-train"),
+            click("c6", "cat", "nevermind"),
+            r#"{"type":"item","schema_version":1,"event_id":"i1","timestamp":10,"item_id":"kind-of-blue","title":"Kind of Blue","categories":["Jazz"]}"#.to_owned(),
+            r#"{"type":"item","schema_version":1,"event_id":"i2","timestamp":10,"item_id":"blue-train","title":"Blue Train","categories":["Jazz"]}"#.to_owned(),
+            r#"{"type":"item","schema_version":1,"event_id":"i3","timestamp":10,"item_id":"nevermind","title":"Nevermind","categories":["Rock"]}"#.to_owned(),
+        ];
+        let t = crate::sink::fixture(&events, 0);
+        sink.write(TableName::Interactions, &t.interactions.unwrap())
+            .await
+            .unwrap();
+        let items = t.items.unwrap();
+        let vecs: Vec<f32> = (0..items.num_rows()).flat_map(axis).collect();
+        let items = with_embeddings(&items, &[0, 1, 2], &vecs).unwrap();
+        sink.write(TableName::Items, &items).await.unwrap();
+
+        let tables = Tables::new(
+            crate::sink::connect(&config.lancedb).await.unwrap(),
+            SignalSources {
+                item_template: Some(config.embed.item_template.clone()),
+                item_cf: Some(Duration::from_secs(60)),
+            },
+        );
+        tables.versions().await.unwrap();
+        let cf = tables.item_cf().await.unwrap();
+        // Distinct users: ben's second click on blue-train counts once.
+        assert_eq!(cf.popularity("blue-train"), 2.0);
+        assert_eq!(cf.popularity("nevermind"), 1.0);
+        assert!((cf.cosine("kind-of-blue", "blue-train") - 1.0).abs() < 1e-12);
+        assert_eq!(cf.cosine("kind-of-blue", "nevermind"), 0.0);
+        let snap = tables.load_shared().await.unwrap();
+        let text = snap.text.as_deref().expect("BM25 is built when asked for");
+        let s = text.scores(&["kind-of-blue"], &["blue-train", "nevermind"]);
+        assert!(s[0] > s[1], "the jazz album shares words: {s:?}");
+        // Without the ranker asking, neither is kept.
+        let plain = Tables::new(
+            crate::sink::connect(&config.lancedb).await.unwrap(),
+            SignalSources::default(),
+        );
+        plain.versions().await.unwrap();
+        assert!(plain.load_shared().await.unwrap().text.is_none());
+        assert!(plain.item_cf_interval().is_none());
     }
 
     fn sized(bytes: usize, unresolved: bool) -> Arc<UserData> {

@@ -41,6 +41,7 @@ use axum::routing::{get, post};
 use serde::Serialize;
 use steamrf_operators::embed::Embedder;
 use steamrf_operators::passage;
+use steamrf_operators::rank;
 use steamrf_operators::rfmem::{self, RfMemParams};
 use steamrf_operators::steam::MemoryId;
 use steamrf_operators::steam::relations::tenant_of;
@@ -1038,7 +1039,8 @@ fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<
 pub struct RankedItem {
     /// The item.
     pub item_id: String,
-    /// The score (higher is better).
+    /// The ranker's score (higher is better): STEAM's with the default
+    /// `serve.ranker`, else the weighted sum of the signals' z-scores.
     pub score: f32,
     /// Cosine with the user's best-matching memory.
     pub local: f32,
@@ -1046,11 +1048,27 @@ pub struct RankedItem {
     pub collab: f32,
     /// Share of collaborative memories whose users chose this item.
     pub seen: f32,
+    /// Each signal's raw value, when `serve.ranker` fuses several.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signals: Option<SignalValues>,
     /// The user's memory that matched best.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory_id: Option<String>,
     /// Why, in words.
     pub reason: String,
+}
+
+/// The ranker's signals for one candidate (docs/retrieval.md).
+#[derive(Debug, Serialize)]
+pub struct SignalValues {
+    /// STEAM's `recommend` score.
+    pub steam: f32,
+    /// Item-item CF: summed cosines with the history's items.
+    pub item_cf: f32,
+    /// BM25 against the history's item texts.
+    pub bm25: f32,
+    /// Distinct users of the item.
+    pub popularity: f32,
 }
 
 /// The answer of `/v1/recommend`.
@@ -1111,38 +1129,80 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
         k_collab: st.cfg.collaborative_k,
         ..RecommendParams::default()
     };
-    let mut ranked: Vec<RankedItem> =
-        steam_retrieve::recommend(view, &req.user_id, &known, &params)
-            .into_iter()
-            .map(|r| {
-                let memory = r.memory_id.and_then(|id| view.memory(id));
-                let mut reason = match memory {
-                    Some(m) => format!("close to your memory \"{}\" ({:.2})", m.content, r.local),
-                    None => "no memories yet".to_owned(),
-                };
-                if r.seen > 0.0 {
-                    reason.push_str(&format!(
-                        "; chosen by {:.0}% of similar users in your community",
-                        r.seen * 100.0
-                    ));
+    let steam = steam_retrieve::recommend(view, &req.user_id, &known, &params);
+    // The ranker (`serve.ranker`, the one `eval steam` measures): STEAM's
+    // order, or STEAM fused with item-CF, BM25 and popularity.
+    let weights = st.cfg.ranker.weights();
+    let fused = (!weights.steam_only()).then(|| {
+        let cands: Vec<&str> = steam.iter().map(|r| r.item_id.as_str()).collect();
+        let history: Vec<&str> = view.user.history.iter().map(String::as_str).collect();
+        let scores: Vec<f64> = steam.iter().map(|r| f64::from(r.score)).collect();
+        let features = rank::features(
+            &scores,
+            &history,
+            &cands,
+            view.snap.signals(),
+            st.cfg.ranker.params(),
+        );
+        let fused = rank::score(&weights, &features);
+        (features, fused)
+    });
+    let mut ranked: Vec<RankedItem> = steam
+        .into_iter()
+        .enumerate()
+        .map(|(c, r)| {
+            let memory = r.memory_id.and_then(|id| view.memory(id));
+            let mut reason = match memory {
+                Some(m) => format!("close to your memory \"{}\" ({:.2})", m.content, r.local),
+                None => "no memories yet".to_owned(),
+            };
+            if r.seen > 0.0 {
+                reason.push_str(&format!(
+                    "; chosen by {:.0}% of similar users in your community",
+                    r.seen * 100.0
+                ));
+            }
+            let (score, signals) = match &fused {
+                Some((features, fused)) => {
+                    let [steam, item_cf, bm25, popularity] = features[c];
+                    if item_cf > 0.0 {
+                        reason.push_str(&format!(
+                            "; often chosen with items you chose (item-CF {item_cf:.2})"
+                        ));
+                    }
+                    (
+                        fused[c] as f32,
+                        Some(SignalValues {
+                            steam: steam as f32,
+                            item_cf: item_cf as f32,
+                            bm25: bm25 as f32,
+                            popularity: popularity as f32,
+                        }),
+                    )
                 }
-                RankedItem {
-                    item_id: r.item_id,
-                    score: r.score,
-                    local: r.local,
-                    collab: r.collab,
-                    seen: r.seen,
-                    memory_id: r.memory_id.map(|m| m.to_string()),
-                    reason,
-                }
-            })
-            .collect();
+                None => (r.score, None),
+            };
+            RankedItem {
+                item_id: r.item_id,
+                score,
+                local: r.local,
+                collab: r.collab,
+                seen: r.seen,
+                signals,
+                memory_id: r.memory_id.map(|m| m.to_string()),
+                reason,
+            }
+        })
+        .collect();
+    // Best first; ties keep STEAM's order (the sort is stable).
+    ranked.sort_by(|a, b| b.score.total_cmp(&a.score));
     ranked.extend(unknown.into_iter().map(|item_id| RankedItem {
         item_id,
         score: f32::MIN,
         local: 0.0,
         collab: 0.0,
         seen: 0.0,
+        signals: None,
         memory_id: None,
         reason: "unknown item (not in the items table, or not embedded)".to_owned(),
     }));
@@ -1357,9 +1417,28 @@ async fn refresh(
             items: current.items.clone(),
             prototypes: current.prototypes.clone(),
             community_of: current.community_of.clone(),
+            text: current.text.clone(),
             ..Snapshot::default()
         }
     };
+    // Users per item: kept, or re-read once the table moved and the
+    // interval passed (the first refresh always reads them).
+    if let Some(interval) = tables.item_cf_interval() {
+        let at = versions.get("interactions").copied().unwrap_or(0);
+        let due = match (&current.item_cf, current.item_cf_at) {
+            (Some(_), Some((read, version))) => {
+                !ready || (version != at && read.elapsed() >= interval)
+            }
+            _ => true,
+        };
+        if due {
+            snap.item_cf = Some(Arc::new(tables.item_cf().await?));
+            snap.item_cf_at = Some((Instant::now(), at));
+        } else {
+            snap.item_cf = current.item_cf.clone();
+            snap.item_cf_at = current.item_cf_at;
+        }
+    }
     if ready {
         // A changed item changes every row that shows it; a new one may
         // resolve clicks that were left out.
@@ -1499,7 +1578,18 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
     let embedder = crate::embed::embedder(&config.embed)?;
     let db = crate::sink::connect(&config.lancedb).await?;
     crate::migrate::warn_if_pending(&db).await;
-    let tables = Arc::new(Tables::new(db));
+    let weights = config.serve.ranker.weights();
+    let tables = Arc::new(Tables::new(
+        db,
+        cache::SignalSources {
+            item_template: weights
+                .needs_text()
+                .then(|| config.embed.item_template.clone()),
+            item_cf: weights
+                .needs_item_cf()
+                .then_some(config.serve.ranker.stats_interval),
+        },
+    ));
     let mut st = AppState::new(
         config.serve.clone(),
         config.tenancy.separator(),

@@ -66,6 +66,8 @@ fn steam_state() -> SteamState {
 struct Fixed {
     steam: SteamState,
     corpora: HashMap<String, (Vec<Entry>, Vec<f32>)>,
+    /// Items each user interacted with, oldest first.
+    histories: HashMap<String, Vec<String>>,
 }
 
 impl Loader for Fixed {
@@ -105,6 +107,7 @@ impl Loader for Fixed {
                         .unwrap_or_default(),
                 },
                 unresolved: false,
+                history: self.histories.get(user_id).cloned().unwrap_or_default(),
                 bytes: 1000,
             })
         })
@@ -150,6 +153,7 @@ fn fixed() -> Fixed {
     Fixed {
         steam: steam_state(),
         corpora: HashMap::from([("acme:ann".to_owned(), (entries, rows))]),
+        histories: HashMap::from([("acme:ann".to_owned(), vec!["blue-train".to_owned()])]),
     }
 }
 
@@ -577,6 +581,56 @@ async fn recommend_ranks_with_reasons_and_unknown_items_last() {
             .unwrap()
             .starts_with("unknown item")
     );
+}
+
+#[tokio::test]
+async fn a_fused_ranker_follows_its_weights_and_reports_each_signal() {
+    // Item-CF weighs most: "far" was chosen by both users who chose ann's
+    // "blue-train"; STEAM prefers "dave" (her community's choice).
+    let (base, st) = start_with(
+        Auth::open(),
+        false,
+        |c| {
+            c.ranker.steam = 0.2;
+            c.ranker.item_cf = 0.8;
+        },
+        None,
+    )
+    .await;
+    let mut snap = snapshot();
+    snap.item_cf = Some(Arc::new(rank::ItemCf::new([
+        ("x1", "blue-train"),
+        ("x1", "far"),
+        ("x2", "blue-train"),
+        ("x2", "far"),
+        ("x3", "dave"),
+    ])));
+    st.publish(snap);
+    let (status, v) = post(
+        &base,
+        "/v1/recommend",
+        None,
+        &json!({"user_id": "acme:ann", "candidates": ["dave", "far", "mystery"]}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let ranked = v["ranked"].as_array().unwrap();
+    let ids: Vec<&str> = ranked
+        .iter()
+        .map(|r| r["item_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["far", "dave", "mystery"], "{v}");
+    assert_eq!(ranked[0]["signals"]["item_cf"], 1.0);
+    assert_eq!(ranked[1]["signals"]["popularity"], 1.0);
+    assert!(
+        ranked[0]["signals"]["steam"].as_f64().unwrap()
+            < ranked[1]["signals"]["steam"].as_f64().unwrap()
+    );
+    assert!(
+        ranked[0]["reason"].as_str().unwrap().contains("item-CF"),
+        "{v}"
+    );
+    assert!(ranked[2].get("signals").is_none());
 }
 
 #[tokio::test]

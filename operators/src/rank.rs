@@ -1,0 +1,544 @@
+//! The recommendation ranker: STEAM's score of each candidate, optionally
+//! fused ([`crate::fuse`]) with three signals every recommender team knows:
+//! item-item collaborative filtering, BM25 between the candidate's text and
+//! the user's history's texts, and popularity.
+//!
+//! One ranker for `eval steam` and `/v1/recommend`: the evaluation scores its
+//! "steamrf fused" row with [`features`] and [`score`], and the service does
+//! the same with the statistics it reads from the tables, so the weights an
+//! evaluation fits on its validation split are the weights the service runs.
+//!
+//! - [`ItemCf`]: for each item, the ids of the users who interacted with it
+//!   (numbers assigned at build time; user ids are not kept). Popularity is
+//!   the number of such users; the item-item score of a candidate is
+//!   `Σ_h |U_h ∩ U_c| / √(|U_h| |U_c|)` over the history items `h`
+//!   (cosine of the items' user sets).
+//! - [`ItemText`]: BM25 ([`crate::lexical`]'s terms, idf and parameters) of
+//!   each candidate's text against the concatenated texts of the history,
+//!   scored per candidate from a forward index, so the cost is the
+//!   candidate's length, not the catalogue's size.
+//!
+//! Cost per request: `history × candidates` set intersections (sorted merge,
+//! galloping when one set is much smaller), each at most the smaller set's
+//! size times a logarithm. [`RankParams::max_history`] bounds the history
+//! (its most recent items).
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::fuse;
+use crate::lexical::{Bm25Params, idf, terms};
+
+/// The signals in the order of [`Weights::as_array`] and of each row of
+/// [`features`].
+pub const SIGNALS: [&str; 4] = ["steam", "item_cf", "bm25", "popularity"];
+
+/// The weight of each signal in the fused score (non-negative; only their
+/// ratios matter). The default is STEAM alone.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Weights {
+    /// STEAM's `recommend` score.
+    pub steam: f64,
+    /// Item-item collaborative filtering over the history.
+    pub item_cf: f64,
+    /// BM25 of the candidate's text against the history's texts.
+    pub bm25: f64,
+    /// Users who interacted with the candidate.
+    pub popularity: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self {
+            steam: 1.0,
+            item_cf: 0.0,
+            bm25: 0.0,
+            popularity: 0.0,
+        }
+    }
+}
+
+impl Weights {
+    /// In the order of [`SIGNALS`].
+    pub fn as_array(&self) -> [f64; 4] {
+        [self.steam, self.item_cf, self.bm25, self.popularity]
+    }
+
+    /// From weights in the order of [`SIGNALS`] (missing ones are 0).
+    pub fn from_slice(w: &[f64]) -> Self {
+        let at = |i: usize| w.get(i).copied().unwrap_or(0.0);
+        Self {
+            steam: at(0),
+            item_cf: at(1),
+            bm25: at(2),
+            popularity: at(3),
+        }
+    }
+
+    /// Whether only STEAM counts: the score is then STEAM's own.
+    pub fn steam_only(&self) -> bool {
+        self.item_cf == 0.0 && self.bm25 == 0.0 && self.popularity == 0.0
+    }
+
+    /// Whether [`ItemCf`] is needed (item-CF or popularity weighted).
+    pub fn needs_item_cf(&self) -> bool {
+        self.item_cf > 0.0 || self.popularity > 0.0
+    }
+
+    /// Whether [`ItemText`] is needed.
+    pub fn needs_text(&self) -> bool {
+        self.bm25 > 0.0
+    }
+
+    /// What is wrong with them, naming the field (empty when valid).
+    pub fn problems(&self, prefix: &str) -> Vec<String> {
+        let mut p = Vec::new();
+        for (name, w) in SIGNALS.iter().zip(self.as_array()) {
+            if !w.is_finite() || w < 0.0 {
+                p.push(format!(
+                    "{prefix}.{name}: must be a finite, non-negative number (got {w})"
+                ));
+            }
+        }
+        if p.is_empty() && self.as_array().iter().sum::<f64>() <= 0.0 {
+            p.push(format!("{prefix}: at least one weight must be above 0"));
+        }
+        p
+    }
+}
+
+/// The ranker's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankParams {
+    /// Only the most recent this many distinct history items are scored
+    /// against (item-CF and BM25).
+    pub max_history: usize,
+}
+
+impl Default for RankParams {
+    fn default() -> Self {
+        Self { max_history: 1000 }
+    }
+}
+
+/// Users per item, from (user, item) interactions (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct ItemCf {
+    /// Item → the numbers of its users, ascending, distinct.
+    users: HashMap<Box<str>, Vec<u32>>,
+}
+
+impl ItemCf {
+    /// From `(user, item)` pairs; repeated pairs count once.
+    pub fn new<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        let mut number: HashMap<&str, u32> = HashMap::new();
+        let mut users: HashMap<Box<str>, Vec<u32>> = HashMap::new();
+        for (u, i) in pairs {
+            let next = u32::try_from(number.len()).unwrap_or(u32::MAX);
+            let n = *number.entry(u).or_insert(next);
+            match users.get_mut(i) {
+                Some(list) => list.push(n),
+                None => {
+                    users.insert(i.into(), vec![n]);
+                }
+            }
+        }
+        for list in users.values_mut() {
+            list.sort_unstable();
+            list.dedup();
+            list.shrink_to_fit();
+        }
+        Self { users }
+    }
+
+    /// Items with at least one user.
+    pub fn len(&self) -> usize {
+        self.users.len()
+    }
+
+    /// Whether no item has a user.
+    pub fn is_empty(&self) -> bool {
+        self.users.is_empty()
+    }
+
+    /// Users who interacted with `item` (its popularity).
+    pub fn popularity(&self, item: &str) -> f64 {
+        self.users.get(item).map_or(0.0, |l| l.len() as f64)
+    }
+
+    /// Cosine of the user sets of `a` and `b` (0 when either has none).
+    pub fn cosine(&self, a: &str, b: &str) -> f64 {
+        match (self.users.get(a), self.users.get(b)) {
+            (Some(x), Some(y)) => cosine(x, y),
+            _ => 0.0,
+        }
+    }
+
+    /// Approximate heap bytes held.
+    pub fn bytes(&self) -> usize {
+        self.users
+            .iter()
+            .map(|(k, v)| k.len() + v.capacity() * 4 + 64)
+            .sum()
+    }
+}
+
+fn cosine(x: &[u32], y: &[u32]) -> f64 {
+    let co = intersection(x, y);
+    if co == 0 {
+        return 0.0;
+    }
+    f64::from(co) / ((x.len() * y.len()) as f64).sqrt()
+}
+
+/// `|x ∩ y|` of two ascending, distinct lists: a merge, or, when one is
+/// much smaller, a galloping search of its elements in the other.
+fn intersection(x: &[u32], y: &[u32]) -> u32 {
+    let (small, large) = if x.len() <= y.len() { (x, y) } else { (y, x) };
+    if small.is_empty() {
+        return 0;
+    }
+    let mut n = 0;
+    if large.len() / small.len() >= 16 {
+        let mut rest = large;
+        for v in small {
+            // Gallop: double the step until past v, then search that range.
+            let mut hi = 1;
+            while hi < rest.len() && rest[hi] < *v {
+                hi *= 2;
+            }
+            let lo = hi / 2;
+            let end = hi.min(rest.len() - 1) + 1;
+            match rest[lo..end].binary_search(v) {
+                Ok(k) => {
+                    n += 1;
+                    rest = &rest[lo + k + 1..];
+                }
+                Err(k) => rest = &rest[lo + k..],
+            }
+            if rest.is_empty() {
+                break;
+            }
+        }
+        return n;
+    }
+    let (mut i, mut j) = (0, 0);
+    while i < small.len() && j < large.len() {
+        match small[i].cmp(&large[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                n += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    n
+}
+
+/// BM25 over item texts, as a forward index (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct ItemText {
+    /// Item → its distinct terms (numbers) with their counts, and its length.
+    docs: HashMap<Box<str>, (Vec<(u32, u32)>, u32)>,
+    /// Term → its number.
+    numbers: HashMap<Box<str>, u32>,
+    /// Idf per term number.
+    idf: Vec<f64>,
+    avg_len: f64,
+    params: Bm25Params,
+}
+
+impl ItemText {
+    /// Indexes `(item, text)` pairs (a repeated item keeps its last text).
+    pub fn new<'a>(
+        texts: impl IntoIterator<Item = (&'a str, &'a str)>,
+        params: Bm25Params,
+    ) -> Self {
+        let mut numbers: HashMap<Box<str>, u32> = HashMap::new();
+        let mut docs: HashMap<Box<str>, (Vec<(u32, u32)>, u32)> = HashMap::new();
+        for (item, text) in texts {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            let mut len = 0u32;
+            for t in terms(text) {
+                len += 1;
+                let next = u32::try_from(numbers.len()).unwrap_or(u32::MAX);
+                let n = *numbers.entry(t.into_boxed_str()).or_insert(next);
+                *counts.entry(n).or_insert(0) += 1;
+            }
+            let mut counts: Vec<(u32, u32)> = counts.into_iter().collect();
+            counts.sort_unstable();
+            docs.insert(item.into(), (counts, len));
+        }
+        let mut df = vec![0usize; numbers.len()];
+        for (counts, _) in docs.values() {
+            for (t, _) in counts {
+                df[*t as usize] += 1;
+            }
+        }
+        let n = docs.len();
+        let avg_len = if n == 0 {
+            0.0
+        } else {
+            docs.values().map(|d| f64::from(d.1)).sum::<f64>() / n as f64
+        };
+        Self {
+            idf: df.into_iter().map(|d| idf(n, d)).collect(),
+            docs,
+            numbers,
+            avg_len,
+            params,
+        }
+    }
+
+    /// Items indexed.
+    pub fn len(&self) -> usize {
+        self.docs.len()
+    }
+
+    /// Whether no item is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.docs.is_empty()
+    }
+
+    /// BM25 of each candidate's text against the texts of `history` (each
+    /// term counts once per occurrence in them); 0 for an item without text.
+    pub fn scores(&self, history: &[&str], candidates: &[&str]) -> Vec<f64> {
+        let mut query: HashMap<u32, f64> = HashMap::new();
+        for h in history {
+            if let Some((counts, _)) = self.docs.get(*h) {
+                for &(t, tf) in counts {
+                    *query.entry(t).or_insert(0.0) += f64::from(tf);
+                }
+            }
+        }
+        let (k1, b) = (f64::from(self.params.k1), f64::from(self.params.b));
+        candidates
+            .iter()
+            .map(|c| {
+                let Some((counts, len)) = self.docs.get(*c) else {
+                    return 0.0;
+                };
+                let norm = k1 * (1.0 - b + b * f64::from(*len) / self.avg_len);
+                counts
+                    .iter()
+                    .filter_map(|&(t, tf)| {
+                        let times = query.get(&t)?;
+                        let tf = f64::from(tf);
+                        Some(times * self.idf[t as usize] * tf * (k1 + 1.0) / (tf + norm))
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// Approximate heap bytes held.
+    pub fn bytes(&self) -> usize {
+        self.docs
+            .iter()
+            .map(|(k, (c, _))| k.len() + c.capacity() * 8 + 64)
+            .sum::<usize>()
+            + self.numbers.keys().map(|k| k.len() + 48).sum::<usize>()
+            + self.idf.capacity() * 8
+    }
+}
+
+/// What the non-STEAM signals are computed from (a missing part scores 0).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Signals<'a> {
+    /// Users per item.
+    pub item_cf: Option<&'a ItemCf>,
+    /// Item texts.
+    pub text: Option<&'a ItemText>,
+}
+
+/// The most recent `max` distinct items of `history` (oldest first),
+/// keeping each item's last occurrence.
+pub fn recent_distinct<'a>(history: &[&'a str], max: usize) -> Vec<&'a str> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out: Vec<&str> = history
+        .iter()
+        .rev()
+        .filter(|h| seen.insert(**h))
+        .take(max)
+        .copied()
+        .collect();
+    out.reverse();
+    out
+}
+
+/// `[candidate][signal]` in the order of [`SIGNALS`]: STEAM's score (given),
+/// item-CF, BM25 and popularity of each candidate for a user whose
+/// history is `history` (oldest first).
+///
+/// # Panics
+/// If `steam` and `candidates` differ in length.
+pub fn features(
+    steam: &[f64],
+    history: &[&str],
+    candidates: &[&str],
+    signals: Signals<'_>,
+    params: RankParams,
+) -> Vec<[f64; 4]> {
+    assert_eq!(
+        steam.len(),
+        candidates.len(),
+        "one STEAM score per candidate"
+    );
+    let history = recent_distinct(history, params.max_history);
+    let text = signals.text.map_or_else(
+        || vec![0.0; candidates.len()],
+        |t| t.scores(&history, candidates),
+    );
+    candidates
+        .iter()
+        .zip(steam)
+        .zip(text)
+        .map(|((c, &s), bm25)| {
+            let (cf, pop) = signals.item_cf.map_or((0.0, 0.0), |cf| {
+                let Some(uc) = cf.users.get(*c) else {
+                    return (0.0, 0.0);
+                };
+                let sum = history
+                    .iter()
+                    .filter_map(|h| cf.users.get(*h))
+                    .map(|uh| cosine(uh, uc))
+                    .sum();
+                (sum, uc.len() as f64)
+            });
+            [s, cf, bm25, pop]
+        })
+        .collect()
+}
+
+/// The ranker's score of each candidate: STEAM's own score with
+/// [`Weights::steam_only`], else [`fuse::fuse`] of the [`features`].
+pub fn score(weights: &Weights, features: &[[f64; 4]]) -> Vec<f64> {
+    if weights.steam_only() {
+        return features.iter().map(|f| f[0]).collect();
+    }
+    let rows: Vec<Vec<f64>> = features.iter().map(|f| f.to_vec()).collect();
+    fuse::fuse(&weights.as_array(), &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference_intersection(x: &[u32], y: &[u32]) -> u32 {
+        x.iter().filter(|v| y.contains(v)).count() as u32
+    }
+
+    #[test]
+    fn intersections_agree_with_the_obvious_count_merging_and_galloping() {
+        let big: Vec<u32> = (0..2000).filter(|v| v % 3 != 0).collect();
+        for small in [
+            vec![],
+            vec![0],
+            vec![1],
+            vec![1999],
+            vec![2, 3, 4, 5, 500, 1998, 1999],
+            (0..100).map(|v| v * 19).collect(),
+            (0..900).map(|v| v * 2).collect(),
+        ] {
+            assert_eq!(
+                intersection(&small, &big),
+                reference_intersection(&small, &big),
+                "{small:?}"
+            );
+            assert_eq!(intersection(&big, &small), intersection(&small, &big));
+        }
+    }
+
+    #[test]
+    fn item_cf_counts_distinct_users_and_scores_cosines() {
+        let cf = ItemCf::new([
+            ("u1", "a"),
+            ("u1", "a"),
+            ("u1", "b"),
+            ("u2", "a"),
+            ("u2", "b"),
+            ("u3", "a"),
+            ("u3", "c"),
+        ]);
+        assert_eq!(cf.popularity("a"), 3.0);
+        assert_eq!(cf.popularity("b"), 2.0);
+        assert_eq!(cf.popularity("z"), 0.0);
+        // a: {1,2,3}, b: {1,2}: 2 / sqrt(6).
+        assert!((cf.cosine("a", "b") - 2.0 / 6f64.sqrt()).abs() < 1e-12);
+        assert_eq!(cf.cosine("b", "c"), 0.0);
+        assert_eq!(cf.cosine("a", "z"), 0.0);
+    }
+
+    #[test]
+    fn bm25_prefers_the_candidate_that_shares_rare_words_with_the_history() {
+        let t = ItemText::new(
+            [
+                ("1", "Giant Steps, a jazz album"),
+                ("2", "Kind of Blue, a jazz album"),
+                ("3", "Nevermind, a rock album"),
+                ("4", "Blue Train, jazz"),
+            ],
+            Bm25Params::default(),
+        );
+        let s = t.scores(&["2"], &["3", "4", "9"]);
+        assert!(s[1] > s[0], "{s:?}");
+        assert_eq!(s[2], 0.0);
+        // Nothing in the history: nothing scores.
+        assert_eq!(t.scores(&[], &["1", "2"]), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn the_history_is_its_most_recent_distinct_items() {
+        assert_eq!(
+            recent_distinct(&["a", "b", "a", "c", "d"], 3),
+            vec!["a", "c", "d"]
+        );
+        assert_eq!(recent_distinct(&["a", "a"], 10), vec!["a"]);
+    }
+
+    #[test]
+    fn steam_alone_keeps_steams_scores_and_a_fused_ranker_follows_the_weighted_signal() {
+        let cf = ItemCf::new([
+            ("u1", "h"),
+            ("u1", "x"),
+            ("u2", "h"),
+            ("u2", "x"),
+            ("u3", "y"),
+        ]);
+        let f = features(
+            &[0.9, 0.1],
+            &["h"],
+            &["y", "x"],
+            Signals {
+                item_cf: Some(&cf),
+                text: None,
+            },
+            RankParams::default(),
+        );
+        assert_eq!(f[0], [0.9, 0.0, 0.0, 1.0]);
+        assert_eq!(f[1][1], 1.0);
+        assert_eq!(score(&Weights::default(), &f), vec![0.9, 0.1]);
+        let cf_only = Weights::from_slice(&[0.0, 1.0]);
+        let s = score(&cf_only, &f);
+        assert!(s[1] > s[0], "{s:?}");
+    }
+
+    #[test]
+    fn weights_name_the_bad_field() {
+        let bad = Weights {
+            bm25: -1.0,
+            ..Weights::default()
+        };
+        assert_eq!(
+            bad.problems("serve.ranker"),
+            vec!["serve.ranker.bm25: must be a finite, non-negative number (got -1)"]
+        );
+        let zero = Weights::from_slice(&[]);
+        assert_eq!(zero.problems("r").len(), 1);
+        assert!(Weights::default().problems("r").is_empty());
+    }
+}
