@@ -454,9 +454,37 @@ pub struct SourceLoop {
 
 struct Pending {
     builders: TableBuilders,
+    /// Next offset to commit per (topic index, partition), but for the
+    /// partition of the last record, which is in `last`: records come in
+    /// runs from one partition, so most records touch no map.
     offsets: HashMap<(usize, i32), i64>,
+    last: Option<((usize, i32), i64)>,
     dead_letters: Vec<DeliveryFuture>,
     produced_ms: Vec<i64>,
+}
+
+impl Pending {
+    /// Records that offsets before `next` of `partition` are in the batch.
+    fn advance(&mut self, topic: usize, partition: i32, next: i64) {
+        match &mut self.last {
+            Some((at, n)) if *at == (topic, partition) => *n = (*n).max(next),
+            last => {
+                if let Some((at, n)) = last.replace(((topic, partition), next)) {
+                    let slot = self.offsets.entry(at).or_insert(0);
+                    *slot = (*slot).max(n);
+                }
+            }
+        }
+    }
+
+    /// Every partition's next offset, emptied.
+    fn take_offsets(&mut self) -> HashMap<(usize, i32), i64> {
+        if let Some((at, n)) = self.last.take() {
+            let slot = self.offsets.entry(at).or_insert(0);
+            *slot = (*slot).max(n);
+        }
+        std::mem::take(&mut self.offsets)
+    }
 }
 
 impl SourceLoop {
@@ -470,6 +498,7 @@ impl SourceLoop {
         let mut pending = Pending {
             builders: TableBuilders::default(),
             offsets: HashMap::new(),
+            last: None,
             dead_letters: Vec::new(),
             produced_ms: Vec::new(),
         };
@@ -548,11 +577,7 @@ impl SourceLoop {
                         last_record = Instant::now();
                         continue;
                     }
-                    let slot = pending
-                        .offsets
-                        .entry((topic_idx, msg.partition()))
-                        .or_insert(0);
-                    *slot = (*slot).max(msg.offset() + 1);
+                    pending.advance(topic_idx, msg.partition(), msg.offset() + 1);
                     pending.produced_ms.extend(produced);
                     let mut text = false;
                     let size = match decoded {
@@ -651,8 +676,8 @@ impl SourceLoop {
         tracing::debug!(records, bytes, reason = reason.as_str(), age = ?opened_at.elapsed(), "Batch cut.");
         let tables = p.builders.finish()?;
         let offsets = p
-            .offsets
-            .drain()
+            .take_offsets()
+            .into_iter()
             .map(|((t, part), off)| (self.config.topics[t].clone(), part, off))
             .collect();
         let batch = SourceBatch {
@@ -701,6 +726,33 @@ impl SourceLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_commits_the_next_offset_of_every_partition_it_read() {
+        let mut p = Pending {
+            builders: TableBuilders::default(),
+            offsets: HashMap::new(),
+            last: None,
+            dead_letters: Vec::new(),
+            produced_ms: Vec::new(),
+        };
+        for (topic, partition, next) in [
+            (0, 1, 11),
+            (0, 1, 12),
+            (0, 2, 5),
+            (1, 1, 7),
+            (0, 1, 13),
+            (0, 2, 4),
+        ] {
+            p.advance(topic, partition, next);
+        }
+        let got: BTreeMap<_, _> = p.take_offsets().into_iter().collect();
+        assert_eq!(
+            got,
+            BTreeMap::from([((0, 1), 13), ((0, 2), 5), ((1, 1), 7)])
+        );
+        assert!(p.take_offsets().is_empty(), "taken once");
+    }
 
     #[test]
     fn a_dead_letter_that_fits_is_sent_whole() {

@@ -372,3 +372,12 @@ fn forget_names_the_user_and_nothing_else_is_required() {
         "user_id",
     );
 }
+
+#[test]
+fn the_byte_scan_for_control_characters_agrees_with_char_is_control_for_every_char() {
+    for c in (0..=0x10_ffff).filter_map(char::from_u32) {
+        let s = format!("a{c}é{c}");
+        assert_eq!(has_control(&s), c.is_control(), "U+{:04X}", c as u32);
+    }
+    assert!(!has_control("user-42 ¢ ÂÂ"));
+}
