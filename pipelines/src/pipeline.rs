@@ -299,6 +299,8 @@ async fn run_inner(
         .map_err(|_| Error::Internal {
             message: "the source thread panicked".into(),
         })?;
+    // An index update still running finishes before the process leaves.
+    sink.settle().await;
     written?;
     embedded?;
     source_result?;
