@@ -855,6 +855,67 @@ fn kafka_events_to_a_retrieval_answer() {
     assert!(pipeline.sigterm().success());
 }
 
+/// `/v1/recommend` with fitted weights (`[serve.ranker]`, as
+/// `eval steam --fit-out` writes it), over tables `steamrf run` wrote: the
+/// service reads users per item from `interactions` and the items' texts,
+/// and ranks by the fused score, each candidate with its signals.
+#[test]
+fn recommend_ranks_with_the_configured_fused_ranker() {
+    let (dir, topic) = steam_topic("it-ranker");
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let config = cfg.write_with(
+        "[steam]\nenabled = true\n[serve]\nrefresh_interval = \"200ms\"\n\
+         [serve.ranker]\nsteam = 0.2\nitem_cf = 0.6\nbm25 = 0.2\npopularity = 0.0\nstats_interval = \"200ms\"\n",
+    );
+    let mut pipeline = Pipeline::start(&config, None);
+    let service = Service::start(&config);
+    // user2 clicked jazz2, jazz3 and jazz4; jazz5 was clicked only by user3,
+    // who also clicked jazz3 and jazz4: item-CF's first choice. Nobody
+    // clicked space2.
+    let ask = r#"{"user_id":"user2","candidates":["space2","jazz0","jazz5","nope"]}"#;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let v = loop {
+        let (status, body) = service.post("/v1/recommend", None, ask);
+        if status == 200 {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            if v["ranked"][0]["signals"]["item_cf"].as_f64().unwrap_or(0.0) > 0.0 {
+                break v;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no fused ranking: {body}\n{}",
+            service.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let ranked = v["ranked"].as_array().unwrap();
+    let ids: Vec<&str> = ranked
+        .iter()
+        .map(|r| r["item_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["jazz5", "jazz0", "space2", "nope"], "{v}");
+    let signal = |i: usize, s: &str| ranked[i]["signals"][s].as_f64().unwrap();
+    // cos(jazz3, jazz5) + cos(jazz4, jazz5) = 1/√3 + 1/√2.
+    let expected = 1.0 / 3f64.sqrt() + 1.0 / 2f64.sqrt();
+    assert!((signal(0, "item_cf") - expected).abs() < 1e-4, "{v}");
+    assert_eq!(signal(2, "item_cf"), 0.0);
+    // The history's jazz titles share their rare words with jazz candidates.
+    assert!(signal(1, "bm25") > signal(2, "bm25"), "{v}");
+    assert!(
+        ranked[3].get("signals").is_none(),
+        "unknown items are not scored"
+    );
+    assert!(pipeline.sigterm().success());
+}
+
 /// Long dialogue sessions through Kafka → `steamrf run` → `steamrf serve`:
 /// each turn gets a passage window (the two turns before it and itself) at
 /// ingest, once; a question about something said late in a long session

@@ -728,7 +728,7 @@ fn write_weights(path: &Path, e: &SteamEval, fit: &Fit) -> Result<()> {
         "# The fused ranker's weights, fitted by `steamrf eval steam --data {} --subset {}` on its\n\
          # validation split (never the test targets): validation NDCG@10 {:.4}.\n\
          # `steamrf serve -c {}` ranks /v1/recommend with them (docs/retrieval.md).\n\
-         [serve.ranker]\nsteam = {}\nitem_cf = {}\nbm25 = {}\npopularity = {}\n",
+         [serve.ranker]\nsteam = {:?}\nitem_cf = {:?}\nbm25 = {:?}\npopularity = {:?}\n",
         e.data.display(),
         e.subset,
         fit.ndcg10,
