@@ -468,21 +468,24 @@ impl Pending {
     fn advance(&mut self, topic: usize, partition: i32, next: i64) {
         match &mut self.last {
             Some((at, n)) if *at == (topic, partition) => *n = (*n).max(next),
-            last => {
-                if let Some((at, n)) = last.replace(((topic, partition), next)) {
-                    let slot = self.offsets.entry(at).or_insert(0);
-                    *slot = (*slot).max(n);
-                }
+            _ => {
+                self.settle_last();
+                self.last = Some(((topic, partition), next));
             }
+        }
+    }
+
+    /// Moves the last record's partition into `offsets`.
+    fn settle_last(&mut self) {
+        if let Some((at, n)) = self.last.take() {
+            let slot = self.offsets.entry(at).or_insert(0);
+            *slot = (*slot).max(n);
         }
     }
 
     /// Every partition's next offset, emptied.
     fn take_offsets(&mut self) -> HashMap<(usize, i32), i64> {
-        if let Some((at, n)) = self.last.take() {
-            let slot = self.offsets.entry(at).or_insert(0);
-            *slot = (*slot).max(n);
-        }
+        self.settle_last();
         std::mem::take(&mut self.offsets)
     }
 }

@@ -131,7 +131,7 @@ pub struct UserData {
     pub unresolved: bool,
     /// The items of the user's interactions, oldest first (every item,
     /// in the catalogue or not): the history the ranker's item-CF and
-    /// BM25 score against.
+    /// BM25 score against; empty while `serve.ranker` weighs neither.
     pub history: Vec<String>,
     /// Estimated heap bytes (what `serve.cache_bytes` counts).
     pub bytes: usize,
@@ -1120,6 +1120,9 @@ pub fn build_user(
     let mut rows: Vec<Row> = Vec::new();
     let mut unresolved = false;
     let mut sessions: BTreeMap<String, Vec<Turn>> = BTreeMap::new();
+    // Only a ranker that scores against the history (item-CF, BM25) needs it.
+    let weights = cfg.ranker.weights();
+    let keep_history = weights.needs_item_cf() || weights.needs_text();
     let mut history: Vec<(i64, &str)> = Vec::new();
     for b in interactions {
         let event = b.column(0).as_string::<i32>();
@@ -1128,7 +1131,7 @@ pub fn build_user(
         let part = b.column(8).as_primitive::<Int32Type>();
         let offset = b.column(9).as_primitive::<Int64Type>();
         for r in 0..b.num_rows() {
-            if let Some(item) = opt_str(b.column(4), r) {
+            if keep_history && let Some(item) = opt_str(b.column(4), r) {
                 history.push((ts.value(r), item));
             }
             let source = Some((part.value(r), offset.value(r)));
@@ -1398,6 +1401,8 @@ mod tests {
     fn load(group_sessions: bool) -> (UserData, HashMap<String, ItemInfo>) {
         let mut cfg = Config::load_with_env(None, []).unwrap().serve;
         cfg.group_sessions = group_sessions;
+        // A ranker that reads the history (it is not kept otherwise).
+        cfg.ranker.item_cf = 0.5;
         cfg.kinds = vec![
             CorpusKind::Memory,
             CorpusKind::Dialogue,
