@@ -578,7 +578,14 @@ impl LanceSink {
                     tracing::debug!(table = name.as_str(), error = %e, "A fresh batch conflicted; taking the exact path.");
                     table.checkout_latest().await?;
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    // A commit no retry from `covered` can pass (another
+                    // instance overwrote the table when both created it):
+                    // the ledger no longer describes the table, and the
+                    // retry reloads it from the latest version.
+                    *ledger = None;
+                    return Err(e.into());
+                }
             }
         }
         let (inserted, updated, version) = match written {
@@ -1303,6 +1310,38 @@ mod tests {
     /// Rows added by another tool without naming their keys (a plain
     /// append): the next fresh commit conflicts with it, and the ledger
     /// reloads from the table.
+    /// Another instance overwrites the table after this one loaded its
+    /// ledger (both created it at once): the fresh commit from the ledger's
+    /// version can never pass, so the failed write drops the ledger and the
+    /// retry, as the writer retries, reloads it and lands.
+    #[tokio::test]
+    async fn an_overwrite_after_the_ledger_loaded_is_survived_by_a_retry() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let t = TableName::Interactions;
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        s.write(t, &clicks(0..5)).await.unwrap();
+        let other = connect(&cfg).await.unwrap();
+        let empty = RecordBatch::new_empty(t.schema());
+        other
+            .create_table(
+                t.as_str(),
+                Box::new(RecordBatchIterator::new([Ok(empty)], t.schema()))
+                    as Box<dyn arrow_array::RecordBatchReader + Send>,
+            )
+            .mode(lancedb::database::CreateTableMode::Overwrite)
+            .execute()
+            .await
+            .unwrap();
+        let batch = clicks(5..10);
+        let mut failures = 0;
+        while let Err(e) = s.write(t, &batch).await {
+            failures += 1;
+            assert!(failures < 3, "the retry did not recover: {e}");
+        }
+        assert_eq!(count(&s, t).await, 5, "the overwrite emptied the table");
+    }
+
     #[tokio::test]
     async fn an_append_the_ledger_cannot_read_reloads_it() {
         let dir = tempfile::tempdir().unwrap();
