@@ -1040,6 +1040,52 @@ mod tests {
         assert_eq!(s.metrics.total_rows_written(), 3);
     }
 
+    /// New `interactions` tables store their id columns with LZ4 (the
+    /// schema's `lance-encoding:compression` hint); a table created before
+    /// the hint keeps its schema and takes the new batches, on the fresh
+    /// path and the exact one.
+    #[tokio::test]
+    async fn the_id_encoding_hint_reaches_new_tables_and_old_ones_still_take_batches() {
+        let t = TableName::Interactions;
+        let (_dir, s) = sink().await;
+        let schema = s.table(t).schema().await.unwrap();
+        let hint = |schema: &arrow_schema::Schema| {
+            schema
+                .field_with_name("event_id")
+                .unwrap()
+                .metadata()
+                .get("lance-encoding:compression")
+                .cloned()
+        };
+        assert_eq!(hint(&schema).as_deref(), Some("lz4"));
+
+        let dir = tempfile::tempdir().unwrap();
+        let db = lancedb::connect(dir.path().to_str().unwrap())
+            .execute()
+            .await
+            .unwrap();
+        let plain: Vec<arrow_schema::Field> = t
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_metadata(Default::default()))
+            .collect();
+        db.create_empty_table(t.as_str(), Arc::new(arrow_schema::Schema::new(plain)))
+            .execute()
+            .await
+            .unwrap();
+        let old = LanceSink::open(&lancedb_config(dir.path()), Metrics::new(&[]))
+            .await
+            .unwrap();
+        assert_eq!(hint(&old.table(t).schema().await.unwrap()), None);
+        let batch = batches(&[click("a"), click("b")]).interactions.unwrap();
+        assert_eq!(old.write(t, &batch).await.unwrap().inserted, 2);
+        let replay = batches(&[click("b"), click("c")]).interactions.unwrap();
+        let r = old.write(t, &replay).await.unwrap();
+        assert_eq!((r.inserted, r.skipped), (1, 1));
+        assert_eq!(count(&old, t).await, 3);
+    }
+
     #[tokio::test]
     async fn key_index_is_created_and_kept_up_to_date() {
         let (_dir, s) = sink_with(3).await;

@@ -226,20 +226,33 @@ pub fn decode(payload: &[u8]) -> Result<Event<'_>, DecodeError> {
             "expected a JSON object",
         ));
     }
-    match serde_json::from_slice::<Raw<'_>>(payload) {
+    // One UTF-8 check of the whole payload (a word-at-a-time ASCII scan for
+    // the usual event) instead of one per string: `from_str` trusts it, where
+    // `from_slice` would re-validate every string it reads.
+    let text = std::str::from_utf8(payload).map_err(|e| {
+        DecodeError::new(
+            DecodeErrorKind::InvalidJson,
+            "",
+            format!(
+                "invalid UTF-8 at byte {} (events are UTF-8 JSON)",
+                e.valid_up_to()
+            ),
+        )
+    })?;
+    match serde_json::from_str::<Raw<'_>>(text) {
         Ok(raw) => raw.validate(),
-        Err(err) => Err(describe_parse_error(payload, &err)),
+        Err(err) => Err(describe_parse_error(text, &err)),
     }
 }
 
 /// Re-parses a failed payload with path tracking, to name the field at fault.
 /// Only runs on the error path, so the fast path pays nothing for it.
-fn describe_parse_error(payload: &[u8], err: &serde_json::Error) -> DecodeError {
+fn describe_parse_error(payload: &str, err: &serde_json::Error) -> DecodeError {
     use serde_json::error::Category;
     if !matches!(err.classify(), Category::Data) {
         return DecodeError::new(DecodeErrorKind::InvalidJson, "", err.to_string());
     }
-    let mut de = serde_json::Deserializer::from_slice(payload);
+    let mut de = serde_json::Deserializer::from_str(payload);
     match serde_path_to_error::deserialize::<_, Raw<'_>>(&mut de) {
         Err(e) => {
             let path = e.path().to_string();

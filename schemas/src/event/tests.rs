@@ -101,6 +101,7 @@ fn invalid_json_and_non_objects() {
     bad_utf8.extend(br#"","timestamp":1,"user_id":"u","item_id":"i"}"#);
     let e = decode(&bad_utf8).unwrap_err();
     assert_eq!(e.kind, DecodeErrorKind::InvalidJson, "{e}");
+    assert!(e.reason.contains("invalid UTF-8 at byte 47"), "{e}");
 }
 
 #[test]
