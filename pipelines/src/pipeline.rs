@@ -493,11 +493,13 @@ async fn write_batch(
         .batch_latency
         .observe(batch.opened_at.elapsed().as_secs_f64());
     let now_ms = chrono::Utc::now().timestamp_millis();
+    // A thread-local histogram, added to the shared one once per batch: an
+    // atomic observe per record was ~3% of the writer task.
+    let end_to_end = metrics.end_to_end.local();
     for t in &batch.produced_ms {
         // A producer clock ahead of this host's counts as zero.
-        metrics
-            .end_to_end
-            .observe((now_ms - t).max(0) as f64 / 1000.0);
+        end_to_end.observe((now_ms - t).max(0) as f64 / 1000.0);
     }
+    end_to_end.flush();
     Ok(())
 }
