@@ -468,21 +468,26 @@ impl LanceSink {
     /// [`Error::Lance`] if the commit fails; nothing is then committed to Kafka.
     pub async fn write(&self, name: TableName, batch: &RecordBatch) -> Result<WriteStats> {
         let started = Instant::now();
-        let batch = dedup(name, batch)?;
-        let in_rows = batch.num_rows() as u64;
         let table = self.table(name);
-        let written = match name {
+        let (in_rows, written) = match name {
             TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
-                self.write_absent(name, batch).await
+                let (batch, rows) = dedup_absent(name, batch)?;
+                (
+                    batch.num_rows() as u64,
+                    self.write_absent(name, batch, rows).await,
+                )
             }
             TableName::Items | TableName::Profiles => {
+                let batch = dedup(name, batch)?;
                 let key = name.key();
-                match fresh::keys_of(&batch, key) {
+                let in_rows = batch.num_rows() as u64;
+                let written = match fresh::keys_of(&batch, key) {
                     Some(rows) => upsert_newer(table, key, batch, rows.iter().map(|r| r.0)).await,
                     None => Err(lancedb::Error::InvalidInput {
                         message: format!("a batch for {} lacks {key} or timestamp", table.name()),
                     }),
-                }
+                };
+                (in_rows, written)
             }
         };
         let (inserted, updated, version) = match written {
@@ -536,13 +541,11 @@ impl LanceSink {
         &self,
         name: TableName,
         batch: RecordBatch,
+        rows: Vec<(u64, i64)>,
     ) -> lancedb::Result<(u64, u64, u64)> {
         let table = self.table(name);
         let key = name.key();
         let mut ledger = self.tables[&name].ledger.lock().await;
-        let rows = fresh::keys_of(&batch, key).ok_or_else(|| lancedb::Error::InvalidInput {
-            message: format!("a batch for {} lacks {key} or timestamp", table.name()),
-        })?;
         let hashes = || rows.iter().map(|r| r.0);
         if self.fresh_keys == 0 {
             return insert_absent(table, key, batch, hashes()).await;
@@ -901,6 +904,59 @@ fn not_native(table: &Table) -> lancedb::Error {
     }
 }
 
+/// [`dedup`] for an insert-if-absent table, returning with the batch each
+/// kept row's key hash and timestamp ([`fresh::keys_of`]). One SipHash per
+/// key serves the in-batch dedup, the ledger and the commit's key set;
+/// before, the dedup hashed every key again.
+fn dedup_absent(name: TableName, batch: &RecordBatch) -> Result<(RecordBatch, Vec<(u64, i64)>)> {
+    let key = name.key();
+    let lacks = || Error::Internal {
+        message: format!("a batch for {} lacks {key} or timestamp", name.as_str()),
+    };
+    let general = || -> Result<(RecordBatch, Vec<(u64, i64)>)> {
+        let batch = dedup(name, batch)?;
+        let rows = fresh::keys_of(&batch, key).ok_or_else(lacks)?;
+        Ok((batch, rows))
+    };
+    let rows = fresh::keys_of(batch, key).ok_or_else(lacks)?;
+    if rows.len() != batch.num_rows() {
+        // Null keys (no table schema allows them).
+        return general();
+    }
+    let keys = batch
+        .column_by_name(key)
+        .ok_or_else(lacks)?
+        .as_string::<i32>();
+    let mut first =
+        fresh::HashMap::<u64, u32>::with_capacity_and_hasher(rows.len(), Default::default());
+    let mut repeats = Vec::new();
+    for (i, (h, _)) in rows.iter().enumerate() {
+        match first.entry(*h) {
+            Entry::Vacant(v) => {
+                v.insert(i as u32);
+            }
+            Entry::Occupied(o) => {
+                if keys.value(*o.get() as usize) != keys.value(i) {
+                    // Two keys with one 64-bit hash: compare the keys.
+                    return general();
+                }
+                repeats.push(i);
+            }
+        }
+    }
+    if repeats.is_empty() {
+        return Ok((batch.clone(), rows));
+    }
+    let mut repeated = repeats.into_iter().peekable();
+    let keep: Vec<u32> = (0..batch.num_rows())
+        .filter(|&i| repeated.next_if_eq(&i).is_none())
+        .map(|i| i as u32)
+        .collect();
+    let rows = keep.iter().map(|&i| rows[i as usize]).collect();
+    let batch = arrow_select::take::take_record_batch(batch, &UInt32Array::from(keep))?;
+    Ok((batch, rows))
+}
+
 /// Removes rows whose key repeats within the batch: for interactions the
 /// first occurrence stays; for items and profiles the newest by
 /// `(timestamp, event_id)`. merge_insert requires unique source keys.
@@ -1038,6 +1094,27 @@ mod tests {
         s.write(TableName::Interactions, &more).await.unwrap();
         assert_eq!(count(&s, TableName::Interactions).await, 3);
         assert_eq!(s.metrics.total_rows_written(), 3);
+    }
+
+    #[test]
+    fn the_hashed_dedup_keeps_what_the_general_one_keeps() {
+        let b = batches(&[click("a"), click("b"), click("a"), click("c"), click("b")])
+            .interactions
+            .unwrap();
+        let (kept, rows) = dedup_absent(TableName::Interactions, &b).unwrap();
+        let general = dedup(TableName::Interactions, &b).unwrap();
+        assert_eq!(kept, general);
+        assert_eq!(rows, fresh::keys_of(&general, "event_id").unwrap());
+        let offsets = kept
+            .column_by_name("source_offset")
+            .unwrap()
+            .as_primitive::<arrow_array::types::Int64Type>()
+            .values()
+            .to_vec();
+        assert_eq!(offsets, [0, 1, 3], "first occurrences, in order");
+        let unique = batches(&[click("x"), click("y")]).interactions.unwrap();
+        let (same, rows) = dedup_absent(TableName::Interactions, &unique).unwrap();
+        assert_eq!((same.num_rows(), rows.len()), (2, 2));
     }
 
     /// New `interactions` tables store their id columns with LZ4 (the

@@ -49,7 +49,7 @@ pub(crate) fn key_hash(key: &str) -> u64 {
 
 /// The ledger's keys are hashes already: a map over them hashes nothing.
 #[derive(Default, Clone, Copy)]
-struct Prehashed(u64);
+pub(crate) struct Prehashed(u64);
 
 impl std::hash::Hasher for Prehashed {
     fn finish(&self) -> u64 {
@@ -66,7 +66,9 @@ impl std::hash::Hasher for Prehashed {
     }
 }
 
-type HashMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Prehashed>>;
+/// A map keyed by [`key_hash`]es, which it does not hash again.
+pub(crate) type HashMap<K, V> =
+    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Prehashed>>;
 
 /// Each row's key hash and event timestamp (ms); `None` if the batch lacks
 /// either column.
