@@ -1430,21 +1430,27 @@ mod tests {
         assert_eq!(table.count_rows(None).await.unwrap(), 15);
     }
 
-    /// Rows added by another tool without naming their keys (a plain
-    /// append): the next fresh commit conflicts with it, and the ledger
-    /// reloads from the table.
+    /// A sink that has written clicks 0..5 (so its ledger is loaded), and
+    /// a second connection to the same tables.
+    async fn ledger_loaded_and_another_connection() -> (tempfile::TempDir, LanceSink, Connection) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = lancedb_config(dir.path());
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        s.write(TableName::Interactions, &clicks(0..5))
+            .await
+            .unwrap();
+        let other = connect(&cfg).await.unwrap();
+        (dir, s, other)
+    }
+
     /// Another instance overwrites the table after this one loaded its
     /// ledger (both created it at once): the fresh commit from the ledger's
     /// version can never pass, so the failed write drops the ledger and the
     /// retry, as the writer retries, reloads it and lands.
     #[tokio::test]
     async fn an_overwrite_after_the_ledger_loaded_is_survived_by_a_retry() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = lancedb_config(dir.path());
         let t = TableName::Interactions;
-        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
-        s.write(t, &clicks(0..5)).await.unwrap();
-        let other = connect(&cfg).await.unwrap();
+        let (_dir, s, other) = ledger_loaded_and_another_connection().await;
         let empty = RecordBatch::new_empty(t.schema());
         other
             .create_table(
@@ -1465,14 +1471,13 @@ mod tests {
         assert_eq!(count(&s, t).await, 5, "the overwrite emptied the table");
     }
 
+    /// Rows added by another tool without naming their keys (a plain
+    /// append): the next fresh commit conflicts with it, and the ledger
+    /// reloads from the table.
     #[tokio::test]
     async fn an_append_the_ledger_cannot_read_reloads_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = lancedb_config(dir.path());
         let t = TableName::Interactions;
-        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
-        s.write(t, &clicks(0..5)).await.unwrap();
-        let other = connect(&cfg).await.unwrap();
+        let (_dir, s, other) = ledger_loaded_and_another_connection().await;
         let table = other.open_table(t.as_str()).execute().await.unwrap();
         let appended = clicks(5..10);
         let schema = appended.schema();

@@ -461,12 +461,14 @@ struct Pending {
     last: Option<((usize, i32), i64)>,
     dead_letters: Vec<DeliveryFuture>,
     produced_ms: Vec<i64>,
+    /// The rows' `ingested_at`, re-based at every batch cut.
+    clock: WallClock,
 }
 
 /// Wall-clock milliseconds derived from the monotonic instant the loop
 /// already reads per record: a `Utc::now()` per record was ~4% of the
-/// source thread. Re-based at every batch cut, so the two clocks cannot
-/// drift apart by more than a batch's worth of slew.
+/// source thread. Re-based at every batch cut ([`SourceLoop::flush`]), so
+/// the two clocks cannot drift apart by more than a batch's worth of slew.
 struct WallClock {
     base: Instant,
     base_ms: i64,
@@ -499,6 +501,18 @@ struct Received {
 impl Received {
     const EVERY: u32 = 1024;
 
+    fn new(metrics: &Metrics, topics: &[String]) -> Self {
+        let per_topic = |v: &prometheus::IntCounterVec| {
+            topics.iter().map(|t| v.with_label_values(&[t])).collect()
+        };
+        Self {
+            records: per_topic(&metrics.records_received),
+            bytes: per_topic(&metrics.bytes_received),
+            counted: vec![(0, 0); topics.len()],
+            since_publish: 0,
+        }
+    }
+
     fn count(&mut self, topic: usize, bytes: usize) {
         let c = &mut self.counted[topic];
         c.0 += 1;
@@ -522,6 +536,17 @@ impl Received {
 }
 
 impl Pending {
+    fn new() -> Self {
+        Self {
+            builders: TableBuilders::default(),
+            offsets: HashMap::new(),
+            last: None,
+            dead_letters: Vec::new(),
+            produced_ms: Vec::new(),
+            clock: WallClock::new(),
+        }
+    }
+
     /// Records that offsets before `next` of `partition` are in the batch.
     fn advance(&mut self, topic: usize, partition: i32, next: i64) {
         match &mut self.last {
@@ -556,13 +581,7 @@ impl SourceLoop {
     /// Only for failures that must stop the pipeline (the writer went away,
     /// Arrow rejected a batch).
     pub fn run(mut self, tx: &mpsc::Sender<SourceBatch>) -> Result<()> {
-        let mut pending = Pending {
-            builders: TableBuilders::default(),
-            offsets: HashMap::new(),
-            last: None,
-            dead_letters: Vec::new(),
-            produced_ms: Vec::new(),
-        };
+        let mut pending = Pending::new();
         let mut opened_at = Instant::now();
         let mut last_record = Instant::now();
         // One clock read per record (right after the poll): on some VMs a
@@ -573,19 +592,7 @@ impl SourceLoop {
         let topics = self.config.topics.clone();
         // A local handle, so polled messages do not borrow `self`.
         let consumer = self.consumer.clone();
-        let mut received = Received {
-            records: topics
-                .iter()
-                .map(|t| self.metrics.records_received.with_label_values(&[t]))
-                .collect(),
-            bytes: topics
-                .iter()
-                .map(|t| self.metrics.bytes_received.with_label_values(&[t]))
-                .collect(),
-            counted: vec![(0, 0); topics.len()],
-            since_publish: 0,
-        };
-        let mut clock = WallClock::new();
+        let mut received = Received::new(&self.metrics, &topics);
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 received.publish();
@@ -667,7 +674,7 @@ impl SourceLoop {
                                 Provenance {
                                     partition: msg.partition(),
                                     offset: msg.offset(),
-                                    ingested_at_ms: clock.ms_at(now),
+                                    ingested_at_ms: pending.clock.ms_at(now),
                                 },
                             );
                             payload.len() + vectors * ROW_VECTOR_BYTES
@@ -680,7 +687,6 @@ impl SourceLoop {
                     };
                     if let Some(reason) = self.tracker.record_with(size, text, now) {
                         self.flush(&mut pending, opened_at, reason, tx)?;
-                        clock = WallClock::new();
                         // Time blocked on a busy writer is not idle time.
                         now = Instant::now();
                         last_record = now;
@@ -689,7 +695,6 @@ impl SourceLoop {
             }
             if self.tracker.linger_elapsed(now) {
                 self.flush(&mut pending, opened_at, FlushReason::Linger, tx)?;
-                clock = WallClock::new();
                 now = Instant::now();
                 last_record = now;
             }
@@ -747,6 +752,7 @@ impl SourceLoop {
         let (records, bytes) = self.tracker.take();
         tracing::debug!(records, bytes, reason = reason.as_str(), age = ?opened_at.elapsed(), "Batch cut.");
         let tables = p.builders.finish()?;
+        p.clock = WallClock::new();
         let offsets = p
             .take_offsets()
             .into_iter()
@@ -801,13 +807,7 @@ mod tests {
 
     #[test]
     fn a_batch_commits_the_next_offset_of_every_partition_it_read() {
-        let mut p = Pending {
-            builders: TableBuilders::default(),
-            offsets: HashMap::new(),
-            last: None,
-            dead_letters: Vec::new(),
-            produced_ms: Vec::new(),
-        };
+        let mut p = Pending::new();
         for (topic, partition, next) in [
             (0, 1, 11),
             (0, 1, 12),
