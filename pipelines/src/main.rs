@@ -127,6 +127,15 @@ enum EvalCmd {
         /// Write the fused ranker's weights, fitted on the validation split, to this config file (`[serve.ranker]`, for `steamrf serve -c`).
         #[arg(long)]
         fit_out: Option<PathBuf>,
+        /// Geometry ablation: item text "{title}. {category}" instead of the data set's sentence template.
+        #[arg(long)]
+        plain_item_text: bool,
+        /// Geometry ablation: mean-centre the item vectors over the embedded items.
+        #[arg(long)]
+        centre: bool,
+        /// Geometry ablation: one τ (formation, links, recommendation) = this quantile of the item-item cosines, instead of the paper's 0.5.
+        #[arg(long, value_parser = quantile)]
+        tau_quantile: Option<f32>,
         /// Configuration, for [embed].
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
@@ -513,6 +522,9 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     seeds,
                     out,
                     fit_out,
+                    plain_item_text,
+                    centre,
+                    tau_quantile,
                     config,
                 },
         } => {
@@ -525,6 +537,11 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 out,
                 task,
                 fit_out,
+                geometry: steamrf_pipelines::eval::Geometry {
+                    plain_text: plain_item_text,
+                    centre,
+                    tau_quantile,
+                },
             })
             .await
             .context("eval steam")?;
@@ -752,4 +769,12 @@ fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
+/// A quantile: a number in [0, 1].
+fn quantile(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(q) if (0.0..=1.0).contains(&q) => Ok(q),
+        _ => Err(format!("{s:?} is not a quantile (a number from 0 to 1)")),
+    }
 }

@@ -14,6 +14,7 @@
 //! configuration (`SteamParams`) and are written down in docs/steam.md.
 
 pub mod community;
+pub mod geometry;
 pub mod memory;
 pub mod relations;
 pub mod retrieve;

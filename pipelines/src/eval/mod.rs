@@ -10,7 +10,7 @@ mod simulate;
 mod steam;
 
 pub use rfmem::{RfMemEval, rfmem};
-pub use steam::{SteamEval, steam};
+pub use steam::{Geometry, SteamEval, steam};
 
 use std::path::{Path, PathBuf};
 

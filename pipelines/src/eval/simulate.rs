@@ -180,12 +180,12 @@ fn simulate_one(
     s: &SimSample,
     items: &Items,
     text: &ItemText,
-    seed: u64,
+    (seed, tau): (u64, Option<f32>),
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
-    let states = steam_states(&s.users, items)?;
+    let states = steam_states(&s.users, items, tau)?;
     let cf = item_cf(&s.train);
-    let rankers = rankers(&states, items, &cf, text, seed);
+    let rankers = rankers(&states, items, &cf, text, seed, tau);
     let mut out = Vec::new();
     for (name, rank) in &rankers {
         let scores: Vec<Vec<Vec<f64>>> = s
@@ -275,7 +275,7 @@ fn summarise(per_seed: &[Vec<(&'static str, Vec<f64>)>], header: &str) -> (Strin
 fn report(
     task: &str,
     e: &SteamEval,
-    (embedded, took): (usize, f64),
+    (embedded, took, tau): (usize, f64, Option<f32>),
     table: &str,
     (file, png): (
         &std::path::Path,
@@ -287,6 +287,7 @@ fn report(
         "eval steam --task {task}: {} ({embedded} items embedded in {took:.1} s), seeds {:?}",
         e.subset, e.seeds
     )];
+    out.push(format!("  geometry: {}", e.geometry.describe(tau)));
     out.extend(table.lines().map(|l| format!("  {l}")));
     out.push(format!(
         "  table in {}; {}; took {:.0} s",
@@ -330,12 +331,12 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
         })
         .collect();
     let catalogue: Catalogue = (meta, ML_TEMPLATE);
-    let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
+    let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
     let mut per_seed = Vec::new();
     for (s, &seed) in samples.iter().zip(&e.seeds) {
-        per_seed.push(simulate_one(s, &items, &text, seed, &bar)?);
+        per_seed.push(simulate_one(s, &items, &text, (seed, tau), &bar)?);
     }
     bar.finish_and_clear();
     let (table, series) = summarise(
@@ -357,7 +358,7 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
     let mut out = report(
         "simulation",
         &e,
-        (items.len(), took),
+        (items.len(), took, tau),
         &table,
         (&file, &png),
         started,
@@ -418,12 +419,12 @@ fn diversity_one(
     train: &[(String, String)],
     (items, text): (&Items, &ItemText),
     meta: &HashMap<String, (String, String)>,
-    seed: u64,
+    (seed, tau): (u64, Option<f32>),
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
-    let states = steam_states(users, items)?;
+    let states = steam_states(users, items, tau)?;
     let cf = item_cf(train);
-    let rankers: Vec<(&'static str, Ranker<'_>)> = rankers(&states, items, &cf, text, seed);
+    let rankers: Vec<(&'static str, Ranker<'_>)> = rankers(&states, items, &cf, text, seed, tau);
     let mut out = Vec::new();
     for (name, rank) in &rankers {
         let mut acc = [0.0f64; 4];
@@ -520,7 +521,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
                 .chain(us.iter().flat_map(|u| u.history.iter().cloned()))
         })
         .collect();
-    let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
+    let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
     let mut per_seed = Vec::new();
@@ -536,7 +537,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
             train,
             (&items, &text),
             &catalogue.0,
-            seed,
+            (seed, tau),
             &bar,
         )?);
     }
@@ -561,7 +562,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
     let mut out = report(
         "diversity",
         &e,
-        (items.len(), took),
+        (items.len(), took, tau),
         &table,
         (&file, &png),
         started,

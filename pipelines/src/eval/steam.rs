@@ -62,7 +62,52 @@ pub struct SteamEval {
     /// Where to write the fused ranker's fitted weights as a config file
     /// (`[serve.ranker]`), for `steamrf serve -c`.
     pub fit_out: Option<PathBuf>,
+    /// The embedding-geometry ablation; the default is the paper's set-up.
+    pub geometry: Geometry,
 }
+
+/// The embedding-geometry ablation (issue 17; `steam::geometry` in the
+/// operators explains why): how item texts are written, whether item
+/// vectors are mean-centred, and whether τ is read off the distribution of
+/// item-item cosines.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Geometry {
+    /// Item text `"{title}. {category}"` instead of the data set's sentence
+    /// template (the AgentCF and STEAM prompts' wording).
+    pub plain_text: bool,
+    /// Mean-centre the item vectors over the items the run embeds.
+    pub centre: bool,
+    /// τ for formation, links and recommendation alike (the paper uses one
+    /// τ) = this quantile of the item-item cosines; `None`: the paper's 0.5.
+    pub tau_quantile: Option<f32>,
+}
+
+impl Geometry {
+    /// One line for the report.
+    pub(super) fn describe(&self, tau: Option<f32>) -> String {
+        format!(
+            "item text {}, {}, τ {}",
+            if self.plain_text {
+                "plain"
+            } else {
+                "templated"
+            },
+            if self.centre {
+                "mean-centred"
+            } else {
+                "not centred"
+            },
+            match (self.tau_quantile, tau) {
+                (Some(q), Some(t)) => format!("{t:.3} (the {q} quantile of item-item cosines)"),
+                _ => format!("{} (the paper's)", SteamParams::default().link_tau),
+            }
+        )
+    }
+}
+
+/// Pairs of items the τ quantile is read from (the first items by id): all
+/// of ML-100K's 1,682 items are ~1.4M pairs.
+const TAU_PAIRS: usize = 1_500_000;
 
 #[derive(Clone)]
 pub(super) struct User {
@@ -520,8 +565,12 @@ pub(super) fn paper_sample(mut s: Sample) -> Sample {
 const PAPER_HISTORY: usize = 5;
 
 /// The STEAM states of the full method, w/o MC and w/o AMU.
-pub(super) fn steam_states(users: &[User], items: &Items) -> Result<[SteamState; 3]> {
-    let [full, no_mc, no_amu] = ablations();
+pub(super) fn steam_states(
+    users: &[User],
+    items: &Items,
+    tau: Option<f32>,
+) -> Result<[SteamState; 3]> {
+    let [full, no_mc, no_amu] = ablations(tau);
     Ok([
         steam_state(users, items, full)?,
         steam_state(users, items, no_mc)?,
@@ -570,8 +619,9 @@ pub(super) fn rankers<'a>(
     cf: &'a ItemCf,
     text: &'a ItemText,
     seed: u64,
+    tau: Option<f32>,
 ) -> Vec<(&'static str, Ranker<'a>)> {
-    let (rec, no_cc) = recommend_params();
+    let (rec, no_cc) = recommend_params(tau);
     vec![
         ("steamrf (STEAM)", steam_ranker(&states[0], items, rec)),
         ("steamrf w/o CC", steam_ranker(&states[0], items, no_cc)),
@@ -683,11 +733,12 @@ pub(super) fn fit_fused(
     items: &Items,
     text: &ItemText,
     seed: u64,
+    tau: Option<f32>,
 ) -> Result<Fitted> {
     let learners: Vec<User> = valid.users.iter().chain(&valid.others).cloned().collect();
-    let states = steam_states(&learners, items)?;
+    let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(&valid.train);
-    let rankers = rankers(&states, items, &cf, text, seed);
+    let rankers = rankers(&states, items, &cf, text, seed, tau);
     let cands: Vec<Vec<String>> = valid
         .users
         .iter()
@@ -765,14 +816,15 @@ fn evaluate(
     text: &ItemText,
     seed: u64,
     fused: Option<&Fitted>,
+    tau: Option<f32>,
 ) -> Result<Evaluated> {
     let users = &sample.users;
     // STEAM learns from the same interactions as the baselines: the test
     // users' histories and every other user's.
     let learners: Vec<User> = users.iter().chain(&sample.others).cloned().collect();
-    let states = steam_states(&learners, items)?;
+    let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(&sample.train);
-    let rankers = rankers(&states, items, &cf, text, seed);
+    let rankers = rankers(&states, items, &cf, text, seed, tau);
     let mut rng = StdRng::seed_from_u64(seed);
     let cands: Vec<Vec<String>> = users
         .iter()
@@ -858,12 +910,14 @@ pub(super) fn cds_catalogue(data: &Path) -> Result<Catalogue> {
 pub(super) const ML_TEMPLATE: &str = "The movie is called '{title}'. Its genres are: '{category}'.";
 
 /// Embeds the items `ids` (those with metadata) with the configured
-/// embedder; returns them, their texts and the seconds it took.
+/// embedder, in the given `geometry`; returns them, their texts, the
+/// seconds it took and τ if the geometry reads it off the cosines.
 pub(super) async fn embed_items(
     embed: &EmbedConfig,
     (meta, template): &Catalogue,
     mut ids: Vec<String>,
-) -> Result<(Items, HashMap<String, String>, f64)> {
+    geometry: &Geometry,
+) -> Result<(Items, HashMap<String, String>, f64, Option<f32>)> {
     ids.retain(|i| meta.contains_key(i));
     ids.sort();
     ids.dedup();
@@ -871,10 +925,12 @@ pub(super) async fn embed_items(
         .iter()
         .map(|i| {
             let (t, c) = &meta[i];
-            (
-                i.clone(),
-                template.replace("{title}", t).replace("{category}", c),
-            )
+            let text = if geometry.plain_text {
+                format!("{t}. {c}")
+            } else {
+                template.replace("{title}", t).replace("{category}", c)
+            };
+            (i.clone(), text)
         })
         .collect();
     let embedder = crate::embed::embedder(embed)?.ok_or_else(|| Error::Config {
@@ -906,7 +962,19 @@ pub(super) async fn embed_items(
         bar.inc(chunk.len() as u64);
     }
     bar.finish_and_clear();
-    Ok((items, texts, t.elapsed().as_secs_f64()))
+    // By id, so centring and the τ quantile do not depend on map order.
+    let mut vectors: Vec<(&String, &mut Vec<f32>)> =
+        items.iter_mut().map(|(k, v)| (k, &mut v.2)).collect();
+    vectors.sort_by(|a, b| a.0.cmp(b.0));
+    if geometry.centre {
+        let mut refs: Vec<&mut [f32]> = vectors.iter_mut().map(|(_, v)| v.as_mut_slice()).collect();
+        steamrf_operators::steam::geometry::mean_centre(&mut refs);
+    }
+    let tau = geometry.tau_quantile.and_then(|q| {
+        let refs: Vec<&[f32]> = vectors.iter().map(|(_, v)| v.as_slice()).collect();
+        steamrf_operators::steam::geometry::cosine_quantile(&refs, q, TAU_PAIRS)
+    });
+    Ok((items, texts, t.elapsed().as_secs_f64(), tau))
 }
 
 /// Mean and population standard deviation.
@@ -918,8 +986,13 @@ pub(super) fn mean_sd(xs: &[f64]) -> (f64, f64) {
 }
 
 /// The paper's ablations as parameters: full, w/o MC, w/o AMU.
-pub(super) fn ablations() -> [SteamParams; 3] {
-    let full = SteamParams::default();
+/// With `tau`, one τ for formation and links (the paper uses one τ).
+pub(super) fn ablations(tau: Option<f32>) -> [SteamParams; 3] {
+    let mut full = SteamParams::default();
+    if let Some(t) = tau {
+        full.evolve.tau = t;
+        full.link_tau = t;
+    }
     let no_mc = SteamParams {
         evolve: EvolveParams {
             consolidate: false,
@@ -937,9 +1010,13 @@ pub(super) fn ablations() -> [SteamParams; 3] {
     [full, no_mc, no_amu]
 }
 
-/// `recommend` with and without the collaborative terms (w/o CC).
-pub(super) fn recommend_params() -> (RecommendParams, RecommendParams) {
-    let rec = RecommendParams::default();
+/// `recommend` with and without the collaborative terms (w/o CC); with
+/// `tau`, its least cosine for a local memory.
+pub(super) fn recommend_params(tau: Option<f32>) -> (RecommendParams, RecommendParams) {
+    let mut rec = RecommendParams::default();
+    if let Some(t) = tau {
+        rec.tau = t;
+    }
     let no_cc = RecommendParams {
         collab_weight: 0.0,
         seen_weight: 0.0,
@@ -1028,7 +1105,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
             needed.extend(u.history.iter().cloned());
         }
     }
-    let (items, texts, took) = embed_items(&e.embed, &catalogue, needed).await?;
+    let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let mut out = vec![format!(
         "eval steam: {} ({} users per seed, {} items embedded in {took:.1} s), seeds {:?}",
         e.subset,
@@ -1036,12 +1113,13 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         items.len(),
         e.seeds
     )];
+    out.push(format!("  geometry: {}", e.geometry.describe(tau)));
 
     let text = item_text(&texts);
     let fitted = match &valid {
         Some(v) => {
             let seed = e.seeds.first().copied().unwrap_or(0);
-            let f = fit_fused(v, &items, &text, seed)?;
+            let f = fit_fused(v, &items, &text, seed, tau)?;
             let split = if e.subset.starts_with("ml100k") {
                 "each predicting its second-to-last rating; the last is held out of all training data"
             } else {
@@ -1084,7 +1162,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let mut memories = (0, 0, 0, 0);
     let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
-        let (rows, m) = evaluate(sample, &items, &text, seed, fitted.as_ref())?;
+        let (rows, m) = evaluate(sample, &items, &text, seed, fitted.as_ref(), tau)?;
         bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();
@@ -1234,6 +1312,15 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         "RESULT subset={} ndcg1={:.4} ndcg5={:.4} ndcg10={:.4}",
         e.subset, headline[0].0, headline[1].0, headline[2].0
     );
+    let ablated = e.geometry.plain_text || e.geometry.centre || tau.is_some();
+    if ablated {
+        result.push_str(&format!(
+            " plain_item_text={} centre={} tau={:.4}",
+            e.geometry.plain_text,
+            e.geometry.centre,
+            tau.unwrap_or(SteamParams::default().link_tau)
+        ));
+    }
     if let Some((best, (d, lo, hi))) = diffs.get(2) {
         let slug = BASELINES
             .iter()
