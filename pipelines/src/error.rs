@@ -114,7 +114,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn lance(context: impl Into<String>) -> impl FnOnce(lancedb::Error) -> Self {
+    /// Wraps a LanceDB error with what was being done.
+    pub fn lance(context: impl Into<String>) -> impl FnOnce(lancedb::Error) -> Self {
         let context = context.into();
         move |source| Self::Lance {
             context,
@@ -122,9 +123,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn kafka(
-        context: impl Into<String>,
-    ) -> impl FnOnce(rdkafka::error::KafkaError) -> Self {
+    /// Wraps a Kafka error with what was being done.
+    pub fn kafka(context: impl Into<String>) -> impl FnOnce(rdkafka::error::KafkaError) -> Self {
         let context = context.into();
         move |source| Self::Kafka { context, source }
     }

@@ -1,18 +1,18 @@
-//! steamrf's pipelines: the Kafka source, the LanceDB sink, SQL over the
-//! tables, the metrics endpoint, and the benchmarks. The `steamrf` binary
-//! (`main.rs`) is a thin CLI over this library.
+//! steamrf's pipelines: the Kafka source, the LanceDB sink, the STEAM write
+//! path, the retrieval service, SQL over the tables and the metrics endpoint:
+//! what runs in production. The evaluation harness and the benchmarks are
+//! `steamrf-harness` (`pipelines/harness`); the `steamrf` binary is a thin CLI
+//! over both (`pipelines/cli`).
 //!
 //! Entry point: [`pipeline::run`].
 
 #![deny(missing_docs)]
 
 pub mod alloc;
-pub mod bench;
 pub mod communities;
 pub mod config;
 pub mod embed;
 pub mod error;
-pub mod eval;
 pub mod forget;
 pub mod http;
 pub mod metrics;

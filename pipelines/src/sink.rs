@@ -205,7 +205,7 @@ pub async fn open_or_create_named(
 ///
 /// # Errors
 /// LanceDB failures.
-pub(crate) async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> {
+pub async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> {
     let indices = table
         .list_indices()
         .await
@@ -240,7 +240,7 @@ pub(crate) async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> 
 /// The columns of `name` with a BTree index: the key (idempotent writes),
 /// and for the per-user tables also `user_id` (the retrieval service reads
 /// one user's rows at a time).
-pub(crate) fn indexed_columns(name: TableName) -> &'static [&'static str] {
+pub fn indexed_columns(name: TableName) -> &'static [&'static str] {
     match name {
         TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
             &["event_id", "user_id"]
@@ -390,7 +390,7 @@ impl LanceSink {
     }
 
     /// The handle of one table.
-    pub(crate) fn table(&self, t: TableName) -> &Table {
+    pub fn table(&self, t: TableName) -> &Table {
         &self.tables[&t].table
     }
 

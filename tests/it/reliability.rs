@@ -576,7 +576,7 @@ fn bench(args: &[&str]) -> (String, std::collections::HashMap<String, f64>) {
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("{text}");
-    let r = steamrf_pipelines::bench::result_fields(&text)
+    let r = steamrf_harness::bench::result_fields(&text)
         .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
     (text, r)
 }

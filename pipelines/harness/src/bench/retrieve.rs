@@ -32,8 +32,8 @@ use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
 use super::{Synth, internal, percentile, rss_bytes};
-use crate::error::{Error, Result};
-use crate::serve::cache::vector_store;
+use steamrf_pipelines::error::{Error, Result};
+use steamrf_pipelines::serve::cache::vector_store;
 
 /// Options of `steamrf bench retrieve`.
 #[derive(Debug, Clone)]
@@ -266,7 +266,7 @@ fn hybrid(
     use steamrf_operators::passage::{self, PassageIndex};
 
     let n = rows.len() / dim;
-    let cfg = crate::config::Config::load(None)?.serve;
+    let cfg = steamrf_pipelines::config::Config::load(None)?.serve;
     let mut synth = Synth::new(topics, dim);
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     let word = |rng: &mut rand::rngs::StdRng| {

@@ -32,10 +32,10 @@ use super::soak::{
     Child, metric, rss_mib, start_service, status_mib, topic_of as topic, turns, wait_ready,
 };
 use super::{internal, percentile};
-use crate::config::LanceDbConfig;
-use crate::error::{Error, Result};
-use crate::metrics::Metrics;
-use crate::sink::LanceSink;
+use steamrf_pipelines::config::LanceDbConfig;
+use steamrf_pipelines::error::{Error, Result};
+use steamrf_pipelines::metrics::Metrics;
+use steamrf_pipelines::sink::LanceSink;
 
 /// Options of `steamrf bench serve`.
 #[derive(Debug, Clone)]
@@ -202,7 +202,11 @@ async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
         .map_err(|e| internal(format!("building turns panicked: {e}")))??;
     let t = Instant::now();
     for name in [TableName::Interactions, TableName::TurnVectors] {
-        crate::sink::ensure_btree(sink.table(name), crate::sink::indexed_columns(name)).await?;
+        steamrf_pipelines::sink::ensure_btree(
+            sink.table(name),
+            steamrf_pipelines::sink::indexed_columns(name),
+        )
+        .await?;
     }
     println!(
         "tables: {rows} rows written in {:.0}s, indexed in {:.0}s",
@@ -238,7 +242,7 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
     let lance = LanceDbConfig {
         uri,
         storage_options: b.storage_options.iter().cloned().collect(),
-        ..crate::config::Config::load(None)?.lancedb
+        ..steamrf_pipelines::config::Config::load(None)?.lancedb
     };
     let sink = LanceSink::open(&lance, Metrics::new(&[])).await?;
     write_tables(&b, &sink).await?;

@@ -33,7 +33,7 @@ use super::steam::{
 };
 use steamrf_operators::rank::ItemText;
 
-use crate::error::Result;
+use steamrf_pipelines::error::Result;
 
 /// Items shown to an agent.
 const SHOWN: usize = 20;

@@ -29,7 +29,7 @@ use steamrf_operators::passage::{
 use steamrf_operators::rfmem::{Mode, Path, RfMemParams, VectorStore};
 
 use super::pyjson::Json;
-use crate::error::{Error, Result};
+use steamrf_pipelines::error::{Error, Result};
 
 /// One memory item as a session: its header and its turns as text.
 #[derive(Debug, Clone, PartialEq)]

@@ -38,8 +38,8 @@ use steamrf_operators::steam::{MemoryId, Prototype};
 use steamrf_operators::steam::{SteamParams, SteamState};
 use steamrf_schemas::{Event, decode};
 
-use crate::config::EmbedConfig;
-use crate::error::{Error, Result};
+use steamrf_pipelines::config::EmbedConfig;
+use steamrf_pipelines::error::{Error, Result};
 
 /// Options of `steamrf eval steam`.
 #[derive(Debug, Clone)]
@@ -933,7 +933,7 @@ pub(super) async fn embed_items(
             (i.clone(), text)
         })
         .collect();
-    let embedder = crate::embed::embedder(embed)?.ok_or_else(|| Error::Config {
+    let embedder = steamrf_pipelines::embed::embedder(embed)?.ok_or_else(|| Error::Config {
         problems: vec!["embed.engine: eval steam needs an embedder".into()],
     })?;
     let t = Instant::now();

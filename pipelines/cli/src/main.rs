@@ -1,4 +1,5 @@
-//! The `steamrf` binary: a thin CLI over `steamrf_pipelines`.
+//! The `steamrf` binary: a thin CLI over `steamrf_pipelines` (production) and
+//! `steamrf_harness` (`eval …`, `bench …`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,8 +10,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use steamrf_harness::bench;
 use steamrf_pipelines::pipeline::{self, RunOptions};
-use steamrf_pipelines::{Config, Error, Metrics, bench, sql};
+use steamrf_pipelines::{Config, Error, Metrics, sql};
 
 #[derive(Parser)]
 #[command(
@@ -529,7 +531,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 },
         } => {
             let config = Config::load(config.as_deref())?;
-            let lines = steamrf_pipelines::eval::steam(steamrf_pipelines::eval::SteamEval {
+            let lines = steamrf_harness::eval::steam(steamrf_harness::eval::SteamEval {
                 data,
                 subset,
                 seeds,
@@ -537,7 +539,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 out,
                 task,
                 fit_out,
-                geometry: steamrf_pipelines::eval::Geometry {
+                geometry: steamrf_harness::eval::Geometry {
                     plain_text: plain_item_text,
                     centre,
                     tau_quantile,
@@ -559,7 +561,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 },
         } => {
             let config = Config::load(config.as_deref())?;
-            let lines = steamrf_pipelines::eval::rfmem(steamrf_pipelines::eval::RfMemEval {
+            let lines = steamrf_harness::eval::rfmem(steamrf_harness::eval::RfMemEval {
                 data,
                 embed: config.embed,
                 out,

@@ -14,7 +14,7 @@ pub use steam::{Geometry, SteamEval, steam};
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use steamrf_pipelines::error::{Error, Result};
 
 /// A progress bar on stderr for a long loop (drawn only on a terminal).
 pub(crate) fn progress(len: usize, what: &str) -> indicatif::ProgressBar {

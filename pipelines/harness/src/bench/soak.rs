@@ -32,10 +32,10 @@ use rand::{Rng, SeedableRng};
 use steamrf_schemas::{Provenance, TableBatches, TableBuilders, decode};
 
 use super::{Synth, internal, percentile, proc_status_bytes};
-use crate::config::LanceDbConfig;
-use crate::error::{Error, Result};
-use crate::metrics::Metrics;
-use crate::sink::LanceSink;
+use steamrf_pipelines::config::LanceDbConfig;
+use steamrf_pipelines::error::{Error, Result};
+use steamrf_pipelines::metrics::Metrics;
+use steamrf_pipelines::sink::LanceSink;
 
 /// Options of `steamrf bench soak`.
 #[derive(Debug, Clone)]
@@ -238,7 +238,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
     let uri = dir.path().join("lancedb").display().to_string();
     let lance = LanceDbConfig {
         uri: uri.clone(),
-        ..crate::config::Config::load(None)?.lancedb
+        ..steamrf_pipelines::config::Config::load(None)?.lancedb
     };
     let sink = LanceSink::open(&lance, Metrics::new(&[])).await?;
     let mut synth = Synth::new(TOPICS, steamrf_schemas::tables::EMBEDDING_DIM);

@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use crate::error::{Error, Result};
+use steamrf_pipelines::error::{Error, Result};
 
 const FONT_PATHS: [&str; 2] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",

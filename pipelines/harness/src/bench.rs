@@ -17,10 +17,10 @@ use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
-use crate::config::Config;
-use crate::error::{Error, Result};
-use crate::metrics::Metrics;
-use crate::pipeline::{self, RunOptions};
+use steamrf_pipelines::config::Config;
+use steamrf_pipelines::error::{Error, Result};
+use steamrf_pipelines::metrics::Metrics;
+use steamrf_pipelines::pipeline::{self, RunOptions};
 
 mod retrieve;
 mod serve;
@@ -146,7 +146,8 @@ pub async fn produce_events(
     turns_share: f64,
     pace: u64,
 ) -> Result<Vec<String>> {
-    crate::source::ensure_topic(brokers, &Default::default(), topic, partitions, &[]).await?;
+    steamrf_pipelines::source::ensure_topic(brokers, &Default::default(), topic, partitions, &[])
+        .await?;
     let (b, t) = (brokers.to_owned(), topic.to_owned());
     let (rate, avg) =
         tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct, turns_share, pace))
@@ -352,7 +353,14 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let mut out = Vec::new();
     let stamp = chrono::Utc::now().format("%Y%m%d%H%M%S%3f");
     let topic = format!("steamrf-bench-{stamp}");
-    crate::source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions, &[]).await?;
+    steamrf_pipelines::source::ensure_topic(
+        &b.brokers,
+        &Default::default(),
+        &topic,
+        b.partitions,
+        &[],
+    )
+    .await?;
     let n = b.events;
     // In a child process (`steamrf bench produce`), so that the producer's
     // buffers (the whole backlog, until delivered) are not counted in this
@@ -466,7 +474,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         steady: n as f64 / done.duration_since(first).as_secs_f64(),
         wall: n as f64 / done.duration_since(started).as_secs_f64(),
     };
-    let rows = crate::sql::query(
+    let rows = steamrf_pipelines::sql::query(
         &config.lancedb,
         "SELECT count(*) AS n, count(DISTINCT event_id) AS d FROM interactions",
     )
@@ -772,7 +780,7 @@ async fn turn_rates(
     secs: f64,
     metrics: &Metrics,
 ) -> Result<TurnRates> {
-    let rows = crate::sql::query(
+    let rows = steamrf_pipelines::sql::query(
         &config.lancedb,
         "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn'",
     )
@@ -798,7 +806,7 @@ async fn turn_rates(
     // stored, in the proportion it embedded them.
     use arrow_array::cast::AsArray;
     let embedded = metrics.total_texts_embedded();
-    let windows = crate::sql::query(
+    let windows = steamrf_pipelines::sql::query(
         &config.lancedb,
         "SELECT text FROM passages ORDER BY event_id LIMIT 4000",
     )
@@ -849,14 +857,14 @@ struct Timed {
 /// times: calls of `chunk` texts, all submitted at once (each call is cut
 /// into forward passes that the workers take in turn).
 async fn time_embedder(
-    cfg: &crate::config::EmbedConfig,
+    cfg: &steamrf_pipelines::config::EmbedConfig,
     texts: &[String],
     chunk: usize,
     runs: usize,
 ) -> Result<Timed> {
     let mut cfg = cfg.clone();
-    cfg.engine = crate::config::EmbedEngine::Local;
-    let embedder = crate::embed::embedder(&cfg)?.ok_or_else(|| Error::Internal {
+    cfg.engine = steamrf_pipelines::config::EmbedEngine::Local;
+    let embedder = steamrf_pipelines::embed::embedder(&cfg)?.ok_or_else(|| Error::Internal {
         message: "no embedder".into(),
     })?;
     let err = |e: steamrf_operators::embed::EmbedError| Error::Internal {
@@ -1073,7 +1081,7 @@ pub struct EmbedBench {
     /// One text per line, instead of the generated corpus.
     pub corpus: Option<PathBuf>,
     /// The embedding configuration (model directory, batch size, workers).
-    pub config: crate::config::EmbedConfig,
+    pub config: steamrf_pipelines::config::EmbedConfig,
     /// Texts per embed call (the pipeline's micro-batch of dialogue turns).
     pub chunk: usize,
     /// Skip the sentence-transformers reference.
@@ -1257,7 +1265,7 @@ pub fn bench_texts(n: usize, seed: u64) -> Vec<String> {
 /// # Errors
 /// The model failing to load, or the reference failing to run.
 pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
-    use crate::config::EmbedEngine;
+    use steamrf_pipelines::config::EmbedEngine;
     let mut out = Vec::new();
     let texts = match &b.corpus {
         Some(path) => std::fs::read_to_string(path)
@@ -1283,7 +1291,7 @@ pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
     out.push(format!(
         "steamrf ({:?} forward pass, {} worker(s), batches of {}, length-sorted): {} texts, {:.1} tokens/text, {best:.2} s, {steamrf:.1} sentences/s",
         cfg.backend,
-        crate::embed::workers(&cfg),
+        steamrf_pipelines::embed::workers(&cfg),
         cfg.batch_size,
         texts.len(),
         tokens as f64 / texts.len() as f64

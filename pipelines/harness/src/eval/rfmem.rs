@@ -24,8 +24,8 @@ use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 use super::passages;
 use super::plot;
 use super::pyjson::{self, Json};
-use crate::config::EmbedConfig;
-use crate::error::{Error, Result};
+use steamrf_pipelines::config::EmbedConfig;
+use steamrf_pipelines::error::{Error, Result};
 
 /// Options of `steamrf eval rfmem`.
 #[derive(Debug, Clone)]
@@ -341,7 +341,7 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         texts.len(),
         questions.len()
     )];
-    let embedder = crate::embed::embedder(&e.embed)?.ok_or_else(|| Error::Config {
+    let embedder = steamrf_pipelines::embed::embedder(&e.embed)?.ok_or_else(|| Error::Config {
         problems: vec!["embed.engine: eval rfmem needs an embedder".into()],
     })?;
     let t = Instant::now();
