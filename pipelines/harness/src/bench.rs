@@ -17,10 +17,11 @@ use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
-use steamrf_pipelines::config::Config;
+use steamrf_pipelines::config::{Config, EmbedConfig, EmbedEngine};
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::pipeline::{self, RunOptions};
+use steamrf_pipelines::{embed, source, sql};
 
 mod retrieve;
 mod serve;
@@ -146,8 +147,7 @@ pub async fn produce_events(
     turns_share: f64,
     pace: u64,
 ) -> Result<Vec<String>> {
-    steamrf_pipelines::source::ensure_topic(brokers, &Default::default(), topic, partitions, &[])
-        .await?;
+    source::ensure_topic(brokers, &Default::default(), topic, partitions, &[]).await?;
     let (b, t) = (brokers.to_owned(), topic.to_owned());
     let (rate, avg) =
         tokio::task::spawn_blocking(move || produce(&b, &t, n, distinct, turns_share, pace))
@@ -353,14 +353,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let mut out = Vec::new();
     let stamp = chrono::Utc::now().format("%Y%m%d%H%M%S%3f");
     let topic = format!("steamrf-bench-{stamp}");
-    steamrf_pipelines::source::ensure_topic(
-        &b.brokers,
-        &Default::default(),
-        &topic,
-        b.partitions,
-        &[],
-    )
-    .await?;
+    source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions, &[]).await?;
     let n = b.events;
     // In a child process (`steamrf bench produce`), so that the producer's
     // buffers (the whole backlog, until delivered) are not counted in this
@@ -474,7 +467,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         steady: n as f64 / done.duration_since(first).as_secs_f64(),
         wall: n as f64 / done.duration_since(started).as_secs_f64(),
     };
-    let rows = steamrf_pipelines::sql::query(
+    let rows = sql::query(
         &config.lancedb,
         "SELECT count(*) AS n, count(DISTINCT event_id) AS d FROM interactions",
     )
@@ -780,7 +773,7 @@ async fn turn_rates(
     secs: f64,
     metrics: &Metrics,
 ) -> Result<TurnRates> {
-    let rows = steamrf_pipelines::sql::query(
+    let rows = sql::query(
         &config.lancedb,
         "SELECT count(*) AS n FROM interactions WHERE kind = 'dialogue_turn'",
     )
@@ -806,7 +799,7 @@ async fn turn_rates(
     // stored, in the proportion it embedded them.
     use arrow_array::cast::AsArray;
     let embedded = metrics.total_texts_embedded();
-    let windows = steamrf_pipelines::sql::query(
+    let windows = sql::query(
         &config.lancedb,
         "SELECT text FROM passages ORDER BY event_id LIMIT 4000",
     )
@@ -857,14 +850,14 @@ struct Timed {
 /// times: calls of `chunk` texts, all submitted at once (each call is cut
 /// into forward passes that the workers take in turn).
 async fn time_embedder(
-    cfg: &steamrf_pipelines::config::EmbedConfig,
+    cfg: &EmbedConfig,
     texts: &[String],
     chunk: usize,
     runs: usize,
 ) -> Result<Timed> {
     let mut cfg = cfg.clone();
-    cfg.engine = steamrf_pipelines::config::EmbedEngine::Local;
-    let embedder = steamrf_pipelines::embed::embedder(&cfg)?.ok_or_else(|| Error::Internal {
+    cfg.engine = EmbedEngine::Local;
+    let embedder = embed::embedder(&cfg)?.ok_or_else(|| Error::Internal {
         message: "no embedder".into(),
     })?;
     let err = |e: steamrf_operators::embed::EmbedError| Error::Internal {
@@ -1081,7 +1074,7 @@ pub struct EmbedBench {
     /// One text per line, instead of the generated corpus.
     pub corpus: Option<PathBuf>,
     /// The embedding configuration (model directory, batch size, workers).
-    pub config: steamrf_pipelines::config::EmbedConfig,
+    pub config: EmbedConfig,
     /// Texts per embed call (the pipeline's micro-batch of dialogue turns).
     pub chunk: usize,
     /// Skip the sentence-transformers reference.
@@ -1265,7 +1258,6 @@ pub fn bench_texts(n: usize, seed: u64) -> Vec<String> {
 /// # Errors
 /// The model failing to load, or the reference failing to run.
 pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
-    use steamrf_pipelines::config::EmbedEngine;
     let mut out = Vec::new();
     let texts = match &b.corpus {
         Some(path) => std::fs::read_to_string(path)
@@ -1291,7 +1283,7 @@ pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
     out.push(format!(
         "steamrf ({:?} forward pass, {} worker(s), batches of {}, length-sorted): {} texts, {:.1} tokens/text, {best:.2} s, {steamrf:.1} sentences/s",
         cfg.backend,
-        steamrf_pipelines::embed::workers(&cfg),
+        embed::workers(&cfg),
         cfg.batch_size,
         texts.len(),
         tokens as f64 / texts.len() as f64

@@ -35,7 +35,7 @@ use super::{internal, percentile};
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
-use steamrf_pipelines::sink::LanceSink;
+use steamrf_pipelines::sink::{self, LanceSink};
 
 /// Options of `steamrf bench serve`.
 #[derive(Debug, Clone)]
@@ -202,11 +202,7 @@ async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
         .map_err(|e| internal(format!("building turns panicked: {e}")))??;
     let t = Instant::now();
     for name in [TableName::Interactions, TableName::TurnVectors] {
-        steamrf_pipelines::sink::ensure_btree(
-            sink.table(name),
-            steamrf_pipelines::sink::indexed_columns(name),
-        )
-        .await?;
+        sink::ensure_btree(sink.table(name), sink::indexed_columns(name)).await?;
     }
     println!(
         "tables: {rows} rows written in {:.0}s, indexed in {:.0}s",
