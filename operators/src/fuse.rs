@@ -14,6 +14,11 @@
 //! objective is a step function that gradients cannot follow, and the search
 //! is deterministic. Ties in the objective keep the first point in grid order,
 //! which puts the weight on the earlier rankers.
+//!
+//! The same search fits a yes/no decision ([`fit_decision`]): the weights
+//! and a threshold on the fused score that give the best micro F1 over
+//! labelled slates (the user simulation, where an agent answers yes or no
+//! to each of the items it is shown).
 
 /// One query of a validation split: per candidate the score of every
 /// ranker (`scores[candidate][ranker]`), and which candidate is relevant.
@@ -127,6 +132,101 @@ pub fn fit(queries: &[Query], rankers: usize, steps: usize) -> Fit {
     best
 }
 
+/// One slate of a yes/no task (the STEAM paper's user simulation): per
+/// item the score of every ranker, and whether the item is the user's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slate {
+    /// `scores[item][ranker]`.
+    pub scores: Vec<Vec<f64>>,
+    /// Per item: one of the user's (a yes is right).
+    pub positive: Vec<bool>,
+}
+
+/// The fitted weights and threshold of a yes/no decision: say yes to an
+/// item when its [`fuse`]d score over its slate reaches `threshold`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// One weight per ranker, non-negative, summing to 1.
+    pub weights: Vec<f64>,
+    /// The fused score from which the answer is yes.
+    pub threshold: f64,
+    /// Micro F1 over every item of the slates with them.
+    pub f1: f64,
+    /// Grid points tried.
+    pub tried: usize,
+}
+
+/// The threshold (yes when score ≥ it) with the best micro F1 over the
+/// labelled scores, and that F1. Cuts only between different scores, so
+/// equal scores get one answer; ties in F1 go to the higher threshold.
+/// With no positives every threshold scores 0 and the answer is "never".
+pub fn best_threshold(mut scored: Vec<(f64, bool)>) -> (f64, f64) {
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let positives = scored.iter().filter(|s| s.1).count();
+    let (mut best, mut threshold, mut tp) = (0.0, f64::INFINITY, 0usize);
+    for (i, &(score, positive)) in scored.iter().enumerate() {
+        tp += usize::from(positive);
+        if scored.get(i + 1).is_some_and(|next| next.0 == score) {
+            continue;
+        }
+        // Saying yes to the first i + 1: F1 = 2 TP / (yes + positives).
+        let f1 = 2.0 * tp as f64 / (i + 1 + positives) as f64;
+        if f1 > best {
+            (best, threshold) = (f1, score);
+        }
+    }
+    (threshold, best)
+}
+
+/// Searches the simplex grid of `rankers` weights in steps of `1 / steps`
+/// for the weights whose [`fuse`]d scores, with their [`best_threshold`],
+/// give the best micro F1 over every item of `slates`. Ties keep the first
+/// point in grid order, as [`fit`] does.
+///
+/// # Panics
+/// If `rankers` is 0.
+pub fn fit_decision(slates: &[Slate], rankers: usize, steps: usize) -> Decision {
+    assert!(rankers > 0, "nothing to fuse");
+    let steps = steps.max(1);
+    let z: Vec<Vec<Vec<f64>>> = slates
+        .iter()
+        .map(|s| {
+            (0..rankers)
+                .map(|r| standardise(&s.scores.iter().map(|x| x[r]).collect::<Vec<_>>()))
+                .collect()
+        })
+        .collect();
+    let mut best = Decision {
+        weights: Vec::new(),
+        threshold: f64::INFINITY,
+        f1: f64::NEG_INFINITY,
+        tried: 0,
+    };
+    let mut point = vec![0usize; rankers];
+    compositions(steps, 0, &mut point, &mut |p| {
+        let w: Vec<f64> = p.iter().map(|&k| k as f64 / steps as f64).collect();
+        let scored: Vec<(f64, bool)> = slates
+            .iter()
+            .zip(&z)
+            .flat_map(|(s, zs)| {
+                let w = &w;
+                s.positive
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &pos)| (w.iter().zip(zs).map(|(wr, zr)| wr * zr[i]).sum(), pos))
+            })
+            .collect();
+        let (threshold, f1) = best_threshold(scored);
+        best.tried += 1;
+        if f1 > best.f1 {
+            best.f1 = f1;
+            best.threshold = threshold;
+            best.weights = w;
+        }
+    });
+    best
+}
+
 /// Calls `f` with every way of writing `left` as `point.len() - at`
 /// non-negative parts (in lexicographic order, the first part largest first).
 fn compositions(left: usize, at: usize, point: &mut Vec<usize>, f: &mut impl FnMut(&[usize])) {
@@ -201,6 +301,59 @@ mod tests {
         assert_eq!(f.weights[0], 1.0, "{:?}", f.weights);
         let fused = fuse(&f.weights, &queries[3].scores);
         assert_eq!(ndcg10(&fused, queries[3].target), 1.0);
+    }
+
+    #[test]
+    fn the_threshold_maximises_f1_and_never_splits_ties() {
+        // Scores 0.9 (yes), 0.8 (yes), 0.7 (no), 0.6 (yes), 0.1 (no):
+        // cut at 0.8 → F1 = 4/5 = 0.8; at 0.6 → 6/7 ≈ 0.857 (best).
+        let s = vec![
+            (0.9, true),
+            (0.7, false),
+            (0.1, false),
+            (0.8, true),
+            (0.6, true),
+        ];
+        let (t, f1) = best_threshold(s);
+        assert_eq!(t, 0.6);
+        assert!((f1 - 6.0 / 7.0).abs() < 1e-12);
+        // Two equal scores, one of each: both get the same answer.
+        assert_eq!(
+            best_threshold(vec![(0.5, true), (0.5, false), (0.2, false)]).0,
+            0.5
+        );
+        // No positives: never say yes.
+        assert_eq!(best_threshold(vec![(0.5, false)]), (f64::INFINITY, 0.0));
+    }
+
+    #[test]
+    fn the_decision_fit_weights_the_ranker_that_separates_the_users_items() {
+        // Ranker 0 scores the user's items 1 above the rest, ranker 1 is
+        // noise that disagrees, ranker 2 is constant: all weight on ranker 0,
+        // and its threshold says yes to exactly the user's items.
+        let slates: Vec<Slate> = (0..10)
+            .map(|i| {
+                let positive: Vec<bool> = (0..20).map(|k| (k + i) % 4 == 0).collect();
+                let scores = positive
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &p)| {
+                        let hit = f64::from(u8::from(p));
+                        vec![hit + 0.001 * k as f64, ((k * 7 + i) % 5) as f64 - hit, 3.0]
+                    })
+                    .collect();
+                Slate { scores, positive }
+            })
+            .collect();
+        let d = fit_decision(&slates, 3, 10);
+        assert_eq!(d.tried, 66);
+        assert_eq!(d.f1, 1.0);
+        assert_eq!(d.weights[0], 1.0, "{d:?}");
+        for s in &slates {
+            let fused = fuse(&d.weights, &s.scores);
+            let yes: Vec<bool> = fused.iter().map(|&x| x >= d.threshold).collect();
+            assert_eq!(yes, s.positive);
+        }
     }
 
     #[test]

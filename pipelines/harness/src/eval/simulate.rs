@@ -9,8 +9,14 @@
 //!   method's score reaches a threshold. That threshold is the one that
 //!   maximises F1 at 1:1 on 100 *other* users (calibration users, drawn with
 //!   the same seed), and is then used unchanged at every ratio: like the LLM
-//!   agent, it is not told the ratio. Precision and F1 are micro-averaged over
-//!   all decisions of the 100 test users.
+//!   agent, it is not told the ratio. The fused agent ([`fuse::fit_decision`])
+//!   fits its weights and threshold together on the same calibration users.
+//!   Every method learns from the same interactions: all users' ratings but
+//!   the sampled users' held-out ones (STEAM's state holds every user, as
+//!   popularity and item-item CF count every user). Precision and F1 are
+//!   micro-averaged over all decisions of the test users of every seed, with
+//!   a 95% percentile-bootstrap interval over those users (paired for
+//!   differences).
 //! - **Diversity** (`--task diversity`): each method recommends its top 10 from
 //!   a pool (ML-100K: the negative pool of the subset; CDs: every item of the
 //!   sample), the user's history excluded. ILD is the mean pairwise L2
@@ -28,9 +34,10 @@ use rand::{SeedableRng, rngs::StdRng};
 use super::plot::{self, Series};
 use super::steam::{
     Catalogue, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue, embed_items,
-    histories, item_cf, item_text, mean_sd, ml_sample, movielens, negative_pool, rankers,
-    steam_states, unseen, users,
+    feature_rows, features_of, histories, item_cf, item_text, mean_sd, ml_sample, movielens,
+    negative_pool, rankers, steam_states, unseen, users,
 };
+use steamrf_operators::fuse::{self, Slate};
 use steamrf_operators::rank::ItemText;
 
 use steamrf_pipelines::error::Result;
@@ -58,6 +65,9 @@ struct Case {
 struct SimSample {
     users: Vec<User>,
     train: Vec<(String, String)>,
+    /// Every user not sampled, with all its ratings as its history: STEAM
+    /// learns from them, as popularity and item-item CF learn from `train`.
+    others: Vec<User>,
     cases: Vec<Vec<Case>>,
 }
 
@@ -124,44 +134,28 @@ fn sim_sample(
         .filter(|(u, i, _)| !held_out.contains(&(u.as_str(), i.as_str())))
         .map(|(u, i, _)| (u.clone(), i.clone()))
         .collect();
+    let sampled: HashSet<&str> = ids.iter().copied().collect();
+    // `by_user` is ordered by id, so the others are too.
+    let others = by_user
+        .iter()
+        .filter(|(u, _)| !sampled.contains(*u))
+        .map(|(u, v)| User {
+            id: (*u).to_owned(),
+            history: v.iter().map(|x| x.1.to_owned()).collect(),
+            target: String::new(),
+            negatives: Vec::new(),
+        })
+        .collect();
     SimSample {
         users,
         train,
+        others,
         cases,
     }
 }
 
-/// The threshold (say yes when score ≥ it) with the best F1 over the
-/// labelled scores; ties go to the higher threshold.
-fn best_threshold(mut scored: Vec<(f64, bool)>) -> f64 {
-    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let positives = scored.iter().filter(|s| s.1).count();
-    let (mut best, mut threshold, mut tp) = (-1.0, f64::INFINITY, 0usize);
-    for (i, &(score, positive)) in scored.iter().enumerate() {
-        tp += usize::from(positive);
-        // Only cut between different scores: equal scores get one answer.
-        if scored.get(i + 1).is_some_and(|next| next.0 == score) {
-            continue;
-        }
-        let f1 = 2.0 * tp as f64 / (i + 1 + positives) as f64;
-        if f1 > best {
-            (best, threshold) = (f1, score);
-        }
-    }
-    threshold
-}
-
-/// Micro precision and F1 of yes/no answers.
-fn precision_f1(answers: impl Iterator<Item = (bool, bool)>) -> (f64, f64) {
-    let (mut tp, mut fp, mut fneg) = (0usize, 0usize, 0usize);
-    for (yes, positive) in answers {
-        match (yes, positive) {
-            (true, true) => tp += 1,
-            (true, false) => fp += 1,
-            (false, true) => fneg += 1,
-            (false, false) => {}
-        }
-    }
+/// Micro precision and F1 of `[tp, fp, fn]`.
+fn precision_f1([tp, fp, fneg]: [usize; 3]) -> (f64, f64) {
     let precision = if tp + fp > 0 {
         tp as f64 / (tp + fp) as f64
     } else {
@@ -175,71 +169,356 @@ fn precision_f1(answers: impl Iterator<Item = (bool, bool)>) -> (f64, f64) {
     (precision, f1)
 }
 
-/// Per method: [P, F1] at each ratio, flattened.
+/// One user's `[tp, fp, fn]` at each ratio.
+type Counts = [[usize; 3]; 3];
+
+/// Per method, each test user's counts (by user id).
+type SeedRun = Vec<(&'static str, Vec<(String, Counts)>)>;
+
+/// The fused agent's row name.
+const FUSED: &str = "steamrf fused (fit on the calibration users)";
+/// The same fit with STEAM's weight held at 0.
+const FUSED_NO_STEAM: &str = "fused w/o STEAM (CF + BM25 + popularity)";
+
+/// Each of the fused agent's signals alone, standardised over its slate as
+/// the fused agent's are (the agent sees its 20 items together): what the
+/// fusion adds beyond that standardisation. In the order of the features.
+const SLATE_Z: [&str; 4] = [
+    "steamrf (STEAM), z over the slate",
+    "item-item CF, z over the slate",
+    "BM25 (item text), z over the slate",
+    "popularity, z over the slate",
+];
+
+/// The baselines the fused agent and STEAM are compared with: the best of
+/// them at each ratio.
+const BASELINES: [&str; 6] = [
+    "popularity",
+    "item-item CF",
+    "BM25 (item text)",
+    SLATE_Z[1],
+    SLATE_Z[2],
+    SLATE_Z[3],
+];
+
+/// Each test user's counts from answers `yes[ratio][case][item]`.
+fn tally(s: &SimSample, yes: &[Vec<Vec<bool>>]) -> Vec<(String, Counts)> {
+    let mut by_user: Vec<Counts> = vec![[[0; 3]; 3]; USERS.min(s.users.len())];
+    for (r, (cases, answers)) in s.cases.iter().zip(yes).enumerate() {
+        for (c, a) in cases.iter().zip(answers) {
+            if c.user >= USERS {
+                continue;
+            }
+            for (&y, &p) in a.iter().zip(&c.positive) {
+                let k = match (y, p) {
+                    (true, true) => 0,
+                    (true, false) => 1,
+                    (false, true) => 2,
+                    (false, false) => continue,
+                };
+                by_user[c.user][r][k] += 1;
+            }
+        }
+    }
+    by_user
+        .into_iter()
+        .enumerate()
+        .map(|(u, c)| (s.users[u].id.clone(), c))
+        .collect()
+}
+
+/// Every method's answers for the test users of one seed, and the fused
+/// agent's fitted weights (with STEAM, without) for the report.
 fn simulate_one(
     s: &SimSample,
     items: &Items,
     text: &ItemText,
     (seed, tau): (u64, Option<f32>),
     bar: &indicatif::ProgressBar,
-) -> Result<Vec<(&'static str, Vec<f64>)>> {
-    let states = steam_states(&s.users, items, tau)?;
+) -> Result<(SeedRun, [fuse::Decision; 2])> {
+    // STEAM learns from the same interactions as the baselines.
+    let learners: Vec<User> = s.users.iter().chain(&s.others).cloned().collect();
+    let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(&s.train);
     let rankers = rankers(&states, items, &cf, text, seed, tau);
+    // `scores[method][ratio][case][item]`.
+    let scores: Vec<Vec<Vec<Vec<f64>>>> = rankers
+        .iter()
+        .map(|(_, rank)| {
+            s.cases
+                .iter()
+                .map(|cases| {
+                    cases
+                        .iter()
+                        .map(|c| rank(&s.users[c.user], &c.items))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
     let mut out = Vec::new();
-    for (name, rank) in &rankers {
-        let scores: Vec<Vec<Vec<f64>>> = s
-            .cases
+    for ((name, _), sc) in rankers.iter().zip(&scores) {
+        let calibration: Vec<(f64, bool)> = s.cases[0]
             .iter()
-            .map(|cases| {
-                cases
-                    .iter()
-                    .map(|c| rank(&s.users[c.user], &c.items))
+            .zip(&sc[0])
+            .filter(|(c, _)| c.user >= USERS)
+            .flat_map(|(c, x)| x.iter().copied().zip(c.positive.iter().copied()))
+            .collect();
+        let (t, _) = fuse::best_threshold(calibration);
+        let yes: Vec<Vec<Vec<bool>>> = sc
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|x| x.iter().map(|&v| v >= t).collect())
                     .collect()
             })
             .collect();
-        let calibration: Vec<(f64, bool)> = s.cases[0]
-            .iter()
-            .zip(&scores[0])
-            .filter(|(c, _)| c.user >= USERS)
-            .flat_map(|(c, sc)| sc.iter().copied().zip(c.positive.iter().copied()))
-            .collect();
-        let t = best_threshold(calibration);
-        let mut row = Vec::new();
-        for (cases, sc) in s.cases.iter().zip(&scores) {
-            let (p, f1) = precision_f1(
-                cases
-                    .iter()
-                    .zip(sc)
-                    .filter(|(c, _)| c.user < USERS)
-                    .flat_map(|(c, sc)| {
-                        sc.iter()
-                            .map(move |&x| x >= t)
-                            .zip(c.positive.iter().copied())
-                    }),
-            );
-            row.extend([p, f1]);
-        }
-        out.push((*name, row));
+        out.push((*name, tally(s, &yes)));
         bar.inc(1);
+    }
+    // The fused agent: the ranker's four signals, weights and threshold
+    // fitted together at 1:1 on the calibration users.
+    let names: Vec<&str> = rankers.iter().map(|r| r.0).collect();
+    let rows = feature_rows(&names)?;
+    // `features[ratio][case]`: per item the four signals.
+    let features: Vec<Vec<Vec<[f64; 4]>>> = (0..RATIOS.len())
+        .map(|r| {
+            let per_ratio: Vec<Vec<Vec<f64>>> = scores.iter().map(|m| m[r].clone()).collect();
+            (0..s.cases[r].len())
+                .map(|c| features_of(&per_ratio, &rows, c))
+                .collect()
+        })
+        .collect();
+    let slates = |from: usize| -> Vec<Slate> {
+        s.cases[0]
+            .iter()
+            .zip(&features[0])
+            .filter(|(c, _)| c.user >= USERS)
+            .map(|(c, f)| Slate {
+                scores: f.iter().map(|x| x[from..].to_vec()).collect(),
+                positive: c.positive.clone(),
+            })
+            .collect()
+    };
+    let with_steam = fuse::fit_decision(&slates(0), 4, 10);
+    let mut without_steam = fuse::fit_decision(&slates(1), 3, 10);
+    without_steam.weights.insert(0, 0.0);
+    let calibration = slates(0);
+    let alone: Vec<fuse::Decision> = (0..4)
+        .map(|k| {
+            let one: Vec<Slate> = calibration
+                .iter()
+                .map(|sl| Slate {
+                    scores: sl.scores.iter().map(|x| vec![x[k]]).collect(),
+                    positive: sl.positive.clone(),
+                })
+                .collect();
+            let mut d = fuse::fit_decision(&one, 1, 1);
+            d.weights = (0..4).map(|j| f64::from(u8::from(j == k))).collect();
+            d
+        })
+        .collect();
+    let decisions = alone
+        .iter()
+        .zip(SLATE_Z)
+        .chain([(&with_steam, FUSED), (&without_steam, FUSED_NO_STEAM)]);
+    for (d, name) in decisions {
+        let yes: Vec<Vec<Vec<bool>>> = features
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|f| {
+                        let rows: Vec<Vec<f64>> = f.iter().map(|x| x.to_vec()).collect();
+                        fuse::fuse(&d.weights, &rows)
+                            .into_iter()
+                            .map(|v| v >= d.threshold)
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        out.push((name, tally(s, &yes)));
     }
     let mut all_yes = Vec::new();
     for cases in &s.cases {
-        let (p, f1) = precision_f1(
-            cases
-                .iter()
-                .filter(|c| c.user < USERS)
-                .flat_map(|c| c.positive.iter().map(|&p| (true, p))),
-        );
-        all_yes.extend([p, f1]);
+        all_yes.push(cases.iter().map(|c| vec![true; c.items.len()]).collect());
     }
-    out.push(("always yes", all_yes));
-    Ok(out)
+    out.push(("always yes", tally(s, &all_yes)));
+    Ok((out, [with_steam, without_steam]))
+}
+
+/// Micro (precision, F1) at each ratio from summed counts.
+fn micro(counts: &[Counts]) -> [(f64, f64); 3] {
+    std::array::from_fn(|r| {
+        let mut sum = [0usize; 3];
+        for c in counts {
+            for k in 0..3 {
+                sum[k] += c[r][k];
+            }
+        }
+        precision_f1(sum)
+    })
+}
+
+/// The simulation's table: per method micro precision and F1 at each ratio
+/// over the test users of every seed (a user drawn by several seeds counts
+/// once, with its decisions summed), F1 with a 95% percentile-bootstrap
+/// interval over users; then paired differences of F1. Also the plot series
+/// (the point values) and the F1 values and intervals by method name.
+struct Summary {
+    table: String,
+    series: Vec<Series>,
+    /// Per method: per ratio (precision, F1, F1 low, F1 high).
+    cells: Vec<(&'static str, [(f64, f64, f64, f64); 3])>,
+    /// Per compared pair: (label, per ratio (difference, low, high)).
+    diffs: Vec<(String, [(f64, f64, f64); 3])>,
+}
+
+fn summarise(per_seed: &[SeedRun], header: &str) -> Summary {
+    use rand::Rng;
+    let mut table = header.to_owned();
+    let Some(first) = per_seed.first() else {
+        return Summary {
+            table,
+            series: Vec::new(),
+            cells: Vec::new(),
+            diffs: Vec::new(),
+        };
+    };
+    let names: Vec<&'static str> = first.iter().map(|m| m.0).collect();
+    // The union of test users over the seeds, in id order.
+    let mut units: BTreeMap<&str, usize> = BTreeMap::new();
+    for run in per_seed {
+        for (u, _) in &run[0].1 {
+            units.insert(u.as_str(), 0);
+        }
+    }
+    for (i, v) in units.values_mut().enumerate() {
+        *v = i;
+    }
+    // `counts[method][unit]`.
+    let counts: Vec<Vec<Counts>> = (0..names.len())
+        .map(|m| {
+            let mut by_unit = vec![[[0usize; 3]; 3]; units.len()];
+            for run in per_seed {
+                for (u, c) in &run[m].1 {
+                    let at = &mut by_unit[units[u.as_str()]];
+                    for r in 0..3 {
+                        for k in 0..3 {
+                            at[r][k] += c[r][k];
+                        }
+                    }
+                }
+            }
+            by_unit
+        })
+        .collect();
+    // Resampled F1 per method and ratio: `boot[method][ratio][resample]`.
+    let n = units.len();
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let mut boot = vec![vec![Vec::with_capacity(super::BOOTSTRAP_RESAMPLES); 3]; names.len()];
+    let mut pick: Vec<Counts> = Vec::with_capacity(n);
+    for _ in 0..super::BOOTSTRAP_RESAMPLES {
+        let idx: Vec<usize> = (0..n).map(|_| rng.random_range(0..n)).collect();
+        for (m, c) in counts.iter().enumerate() {
+            pick.clear();
+            pick.extend(idx.iter().map(|&i| c[i]));
+            for (r, (_, f1)) in micro(&pick).into_iter().enumerate() {
+                boot[m][r].push(f1);
+            }
+        }
+    }
+    let interval = |mut xs: Vec<f64>| -> (f64, f64) {
+        xs.sort_by(f64::total_cmp);
+        let at = |q: f64| xs[((q * (xs.len() - 1) as f64).round()) as usize];
+        (at(0.025), at(0.975))
+    };
+    let mut cells = Vec::new();
+    let mut series = Vec::new();
+    for (m, name) in names.iter().enumerate() {
+        let point = micro(&counts[m]);
+        let cell: [(f64, f64, f64, f64); 3] = std::array::from_fn(|r| {
+            let (lo, hi) = interval(boot[m][r].clone());
+            (point[r].0, point[r].1, lo, hi)
+        });
+        table.push_str(&format!(
+            "| {name} | {} |\n",
+            cell.iter()
+                .map(|(p, f, lo, hi)| format!("{p:.3} | {f:.3} [{lo:.3}, {hi:.3}]"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ));
+        series.push(Series {
+            name: (*name).to_owned(),
+            values: cell.iter().flat_map(|c| [c.0, c.1]).collect(),
+        });
+        cells.push((*name, cell));
+    }
+    // Paired differences: the fused agent and STEAM alone against the best
+    // baseline at each ratio, and the fused agent against its fit without STEAM.
+    let at = |name: &str| names.iter().position(|n| *n == name);
+    let mut diffs = Vec::new();
+    // (label, method, the method compared with at each ratio, name those).
+    let mut pairs: Vec<(String, usize, [usize; 3], bool)> = Vec::new();
+    let best: [usize; 3] = std::array::from_fn(|r| {
+        BASELINES
+            .iter()
+            .filter_map(|b| at(b))
+            .max_by(|&a, &b| cells[a].1[r].1.total_cmp(&cells[b].1[r].1))
+            .unwrap_or(0)
+    });
+    for name in [FUSED, "steamrf (STEAM)"] {
+        if let Some(m) = at(name) {
+            pairs.push((format!("{name} − best baseline"), m, best, true));
+        }
+    }
+    if let (Some(a), Some(b)) = (at(FUSED), at(FUSED_NO_STEAM)) {
+        pairs.push(("fused − fused w/o STEAM".to_owned(), a, [b; 3], false));
+    }
+    table.push_str("\nPaired differences of F1 (the same resampled users for both):\n\n| difference | 1:1 | 1:3 | 1:9 |\n| --- | ---: | ---: | ---: |\n");
+    for (label, a, against, name_them) in pairs {
+        let d: [(f64, f64, f64); 3] = std::array::from_fn(|r| {
+            let b = against[r];
+            let (lo, hi) = interval(
+                boot[a][r]
+                    .iter()
+                    .zip(&boot[b][r])
+                    .map(|(x, y)| x - y)
+                    .collect(),
+            );
+            (cells[a].1[r].1 - cells[b].1[r].1, lo, hi)
+        });
+        let vs: Vec<&str> = against.iter().map(|&b| names[b]).collect();
+        let vs = if !name_them {
+            String::new()
+        } else if vs.iter().all(|v| *v == vs[0]) {
+            format!(" ({})", vs[0])
+        } else {
+            format!(" ({})", vs.join(" / "))
+        };
+        table.push_str(&format!(
+            "| {label}{vs} | {} |\n",
+            d.iter()
+                .map(|(x, lo, hi)| format!("{x:+.3} [{lo:+.3}, {hi:+.3}]"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ));
+        diffs.push((label, d));
+    }
+    Summary {
+        table,
+        series,
+        cells,
+        diffs,
+    }
 }
 
 /// Mean ± std per method and column over the seeds, as markdown rows, and
-/// the means as plot series.
-fn summarise(per_seed: &[Vec<(&'static str, Vec<f64>)>], header: &str) -> (String, Vec<Series>) {
+/// the means as plot series (the diversity task).
+fn summarise_means(
+    per_seed: &[Vec<(&'static str, Vec<f64>)>],
+    header: &str,
+) -> (String, Vec<Series>) {
     let mut table = header.to_owned();
     let mut series = Vec::new();
     let Some(first) = per_seed.first() else {
@@ -333,42 +612,112 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
     let catalogue: Catalogue = (meta, ML_TEMPLATE);
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let text = item_text(&texts);
-    let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
+    let bar = super::progress(e.seeds.len() * 10, "methods × seeds");
+    // The seeds are independent and each builds its states on one core:
+    // one thread per seed.
+    let runs: Vec<Result<(SeedRun, [fuse::Decision; 2])>> = std::thread::scope(|scope| {
+        let (items, text, bar) = (&items, &text, &bar);
+        let handles: Vec<_> = samples
+            .iter()
+            .zip(&e.seeds)
+            .map(|(s, &seed)| scope.spawn(move || simulate_one(s, items, text, (seed, tau), bar)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(bad("a simulation thread panicked".to_owned())))
+            })
+            .collect()
+    });
     let mut per_seed = Vec::new();
-    for (s, &seed) in samples.iter().zip(&e.seeds) {
-        per_seed.push(simulate_one(s, &items, &text, (seed, tau), &bar)?);
+    let mut fitted = Vec::new();
+    for (run, &seed) in runs.into_iter().zip(&e.seeds) {
+        let (run, fit) = run?;
+        per_seed.push(run);
+        fitted.push((seed, fit));
     }
     bar.finish_and_clear();
-    let (table, series) = summarise(
-        &per_seed,
-        &format!(
-            "User simulation (AFL protocol), {}: {USERS} users per seed, {SHOWN} items each, threshold calibrated on {USERS} other users at 1:1; {} seeds\n\n| method | P 1:1 | F1 1:1 | P 1:3 | F1 1:3 | P 1:9 | F1 1:9 |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
-            e.subset,
-            e.seeds.len()
-        ),
+    let n_users: HashSet<&str> = per_seed
+        .iter()
+        .flat_map(|run| run[0].1.iter().map(|(u, _)| u.as_str()))
+        .collect();
+    let header = format!(
+        "User simulation (AFL protocol), {}: {USERS} test users per seed ({} distinct over {} seeds), {SHOWN} items each; \
+         every threshold (and the fused agent's weights) fitted at 1:1 on {USERS} other users per seed; \
+         micro precision and F1 over all test decisions, F1 with a 95% bootstrap interval over users ({} resamples)\n\n\
+         | method | P 1:1 | F1 1:1 | P 1:3 | F1 1:3 | P 1:9 | F1 1:9 |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        e.subset,
+        n_users.len(),
+        e.seeds.len(),
+        super::BOOTSTRAP_RESAMPLES,
     );
-    let file = super::write_table(&e.out, &format!("steam-simulation-{}.md", e.subset), &table)?;
+    let mut summary = summarise(&per_seed, &header);
+    summary.table.push_str("\nFused agent, fitted per seed on its calibration users (weights STEAM, item-item CF, BM25, popularity; threshold on the fused z-score; calibration F1 at 1:1):\n\n");
+    for (seed, [with, without]) in &fitted {
+        for (name, d) in [("with STEAM", with), ("w/o STEAM", without)] {
+            summary.table.push_str(&format!(
+                "- seed {seed}, {name}: weights {:?}, threshold {:.3}, calibration F1 {:.3}\n",
+                d.weights, d.threshold, d.f1
+            ));
+        }
+    }
+    let file = super::write_table(
+        &e.out,
+        &format!("steam-simulation-{}.md", e.subset),
+        &summary.table,
+    )?;
     let png = plot::bars(
         &e.out.join(format!("steam-simulation-{}.png", e.subset)),
         &format!("User simulation (AFL protocol), {}", e.subset),
         "precision / F1",
         &["P 1:1", "F1 1:1", "P 1:3", "F1 1:3", "P 1:9", "F1 1:9"],
-        &series,
+        &summary.series,
     )?;
     let mut out = report(
         "simulation",
         &e,
         (items.len(), took, tau),
-        &table,
+        &summary.table,
         (&file, &png),
         started,
     );
-    let m = series.first().map_or(vec![0.0; 6], |s| s.values.clone());
-    out.push(format!(
-        "RESULT precision_1_1={:.4} f1_1_1={:.4} precision_1_3={:.4} f1_1_3={:.4} precision_1_9={:.4} f1_1_9={:.4}",
-        m[0], m[1], m[2], m[3], m[4], m[5]
-    ));
+    out.push(simulation_result(&summary));
     Ok(out)
+}
+
+/// The simulation's `RESULT` line: the declared configuration (the fused
+/// agent) with F1 intervals, STEAM alone beside it, and the fused agent's
+/// paired F1 difference to the best baseline at each ratio.
+fn simulation_result(summary: &Summary) -> String {
+    let cell = |name: &str| {
+        summary
+            .cells
+            .iter()
+            .find(|c| c.0 == name)
+            .map_or([(0.0, 0.0, 0.0, 0.0); 3], |c| c.1)
+    };
+    let mut line = String::from("RESULT method=fused");
+    let fused = cell(FUSED);
+    for (r, m) in RATIOS.iter().enumerate() {
+        let (p, f1, lo, hi) = fused[r];
+        line.push_str(&format!(
+            " precision_1_{m}={p:.4} f1_1_{m}={f1:.4} f1_1_{m}_ci95_low={lo:.4} f1_1_{m}_ci95_high={hi:.4}"
+        ));
+    }
+    let steam = cell("steamrf (STEAM)");
+    for (r, m) in RATIOS.iter().enumerate() {
+        line.push_str(&format!(" steam_f1_1_{m}={:.4}", steam[r].1));
+    }
+    if let Some((_, d)) = summary.diffs.first() {
+        for (r, m) in RATIOS.iter().enumerate() {
+            let (x, lo, hi) = d[r];
+            line.push_str(&format!(
+                " delta_f1_1_{m}={x:.4} delta_f1_1_{m}_ci95_low={lo:.4} delta_f1_1_{m}_ci95_high={hi:.4}"
+            ));
+        }
+    }
+    line
 }
 
 /// The primary genre of an item: its first listed genre or category.
@@ -542,7 +891,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
         )?);
     }
     bar.finish_and_clear();
-    let (table, series) = summarise(
+    let (table, series) = summarise_means(
         &per_seed,
         &format!(
             "Diversity, {}: top {LIST} from the pool (history excluded), {} users, {} seeds; ILD over MiniLM embeddings, Entropy and DS over primary genres\n\n| method | ILD | Entropy | DS | HR@10 |\n| --- | ---: | ---: | ---: | ---: |\n",
@@ -580,24 +929,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_threshold_maximises_f1_and_never_splits_ties() {
-        // Scores 0.9 (yes), 0.8 (yes), 0.7 (no), 0.6 (yes), 0.1 (no):
-        // cut at 0.8 → F1 = 4/5 = 0.8; at 0.6 → 6/7 ≈ 0.857 (best).
-        let s = vec![
-            (0.9, true),
-            (0.7, false),
-            (0.1, false),
-            (0.8, true),
-            (0.6, true),
-        ];
-        assert_eq!(best_threshold(s), 0.6);
-        // Two equal scores, one of each: both get the same answer.
-        let t = best_threshold(vec![(0.5, true), (0.5, false), (0.2, false)]);
-        assert_eq!(t, 0.5);
-        let (p, f1) =
-            precision_f1([(true, true), (true, false), (false, true), (false, false)].into_iter());
-        assert_eq!((p, f1), (0.5, 0.5));
-        assert_eq!(precision_f1([(false, true)].into_iter()), (0.0, 0.0));
+    fn micro_precision_and_f1_count_every_decision() {
+        assert_eq!(precision_f1([1, 1, 1]), (0.5, 0.5));
+        assert_eq!(precision_f1([0, 0, 1]), (0.0, 0.0));
+        // Two users at 1:1: 2 TP + 1 FP, then 1 FN: P 2/3, F1 4/6.
+        let a: Counts = [[2, 1, 0], [0; 3], [0; 3]];
+        let b: Counts = [[0, 0, 1], [0; 3], [0; 3]];
+        let [(p, f1), _, _] = micro(&[a, b]);
+        assert!((p - 2.0 / 3.0).abs() < 1e-12 && (f1 - 4.0 / 6.0).abs() < 1e-12);
     }
 
     #[test]
@@ -668,5 +1007,41 @@ mod tests {
             }
         }
         assert_eq!(s.train.len(), ratings.len() - 2 * USERS * HELD_OUT);
+        // STEAM learns from every other user, all of its ratings.
+        assert_eq!(s.others.len(), 250 - 2 * USERS);
+        assert!(s.others.iter().all(|o| o.history.len() == 30));
+        assert!(
+            s.others
+                .iter()
+                .all(|o| s.users.iter().all(|u| u.id != o.id))
+        );
+    }
+
+    #[test]
+    fn the_summary_pools_users_over_seeds_and_pairs_the_differences() {
+        // Two seeds; "a" answers every user right, "b" misses each user's
+        // positive at 1:1. User "u0" is drawn by both seeds.
+        let right: Counts = [[1, 0, 0], [1, 0, 0], [1, 0, 0]];
+        let wrong: Counts = [[0, 1, 1], [1, 0, 0], [1, 0, 0]];
+        let run = |users: &[&str]| -> SeedRun {
+            ["a", "popularity"]
+                .into_iter()
+                .zip([right, wrong])
+                .map(|(m, c)| (m, users.iter().map(|u| ((*u).to_owned(), c)).collect()))
+                .collect()
+        };
+        let s = summarise(&[run(&["u0", "u1"]), run(&["u0", "u2"])], "");
+        let a = s.cells[0].1;
+        assert_eq!((a[0].0, a[0].1, a[0].2, a[0].3), (1.0, 1.0, 1.0, 1.0));
+        let b = s.cells[1].1;
+        assert_eq!((b[0].0, b[0].1), (0.0, 0.0));
+        assert_eq!(b[1].1, 1.0);
+        // No fused row here: no difference rows either, and no panic.
+        assert!(s.diffs.is_empty());
+        assert!(
+            s.table.contains("| a | 1.000 | 1.000 [1.000, 1.000]"),
+            "{}",
+            s.table
+        );
     }
 }

@@ -699,7 +699,7 @@ fn score_all(
 }
 
 /// The positions of [`FUSED_FEATURES`] among `names`.
-fn feature_rows(names: &[&str]) -> Result<[usize; 4]> {
+pub(super) fn feature_rows(names: &[&str]) -> Result<[usize; 4]> {
     let mut rows = [0; 4];
     for (row, f) in rows.iter_mut().zip(FUSED_FEATURES) {
         *row = names
@@ -712,7 +712,11 @@ fn feature_rows(names: &[&str]) -> Result<[usize; 4]> {
 
 /// [`rank::features`] of one user's candidates, from `[method][user][candidate]`
 /// scores (whose signal rows are that function's columns).
-fn features_of(scores: &[Vec<Vec<f64>>], rows: &[usize; 4], user: usize) -> Vec<[f64; 4]> {
+pub(super) fn features_of(
+    scores: &[Vec<Vec<f64>>],
+    rows: &[usize; 4],
+    user: usize,
+) -> Vec<[f64; 4]> {
     (0..scores[rows[0]][user].len())
         .map(|c| rows.map(|r| scores[r][user][c]))
         .collect()
