@@ -48,6 +48,29 @@ pub(crate) fn write_table(dir: &Path, name: &str, table: &str) -> Result<PathBuf
     Ok(file)
 }
 
+/// `f` of each element of `work`, each on its own thread, in order: the
+/// seeds of a task are independent, and building a seed's STEAM states is
+/// single-threaded. The first error (or a panic, as an error) is returned.
+pub(crate) fn on_threads<T: Sync, R: Send>(
+    work: &[T],
+    f: impl Fn(&T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = work.iter().map(|w| scope.spawn(move || f(w))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Internal {
+                        message: "an evaluation thread panicked".to_owned(),
+                    })
+                })
+            })
+            .collect()
+    })
+}
+
 /// Resamples of a percentile bootstrap.
 pub(crate) const BOOTSTRAP_RESAMPLES: usize = 1000;
 
@@ -73,6 +96,24 @@ pub(crate) fn bootstrap_ci(xs: &[f64], seed: u64) -> (f64, f64, f64) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn work_on_threads_comes_back_in_order_and_errors_are_returned() {
+        let squares = super::on_threads(&[1u64, 2, 3, 4], |&x| Ok(x * x)).unwrap();
+        assert_eq!(squares, [1, 4, 9, 16]);
+        let failed = super::on_threads(&[1u64, 2], |&x| {
+            if x == 2 {
+                Err(super::Error::Internal {
+                    message: "two".to_owned(),
+                })
+            } else {
+                Ok(x)
+            }
+        });
+        assert!(failed.is_err());
+        let panicked = super::on_threads(&[1u64], |_| -> super::Result<u64> { panic!("boom") });
+        assert!(panicked.unwrap_err().to_string().contains("panicked"));
+    }
+
     #[test]
     fn bootstrap_intervals_cover_the_mean_and_shrink_with_more_units() {
         let small: Vec<f64> = (0..20).map(|i| f64::from(i % 2)).collect();

@@ -24,6 +24,11 @@
 //!   are over each item's primary genre (its first listed genre or category),
 //!   as the STEAM paper defines them; HR@10 (the held-out target is in the
 //!   list) is printed beside them, since random lists are the most diverse.
+//!   On ML-100K STEAM's state holds every user, as the baselines count
+//!   every user (the CDs samples have no others).
+//!
+//! Each seed runs on its own thread: building a seed's STEAM states is
+//! single-threaded, and the seeds are independent.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
@@ -347,26 +352,29 @@ fn simulate_one(
     Ok((out, [with_steam, without_steam]))
 }
 
+/// `sum += c`, element by element.
+fn add(sum: &mut [usize; 3], c: [usize; 3]) {
+    for (s, x) in sum.iter_mut().zip(c) {
+        *s += x;
+    }
+}
+
 /// Micro (precision, F1) at each ratio from summed counts.
 fn micro(counts: &[Counts]) -> [(f64, f64); 3] {
     std::array::from_fn(|r| {
         let mut sum = [0usize; 3];
         for c in counts {
-            for k in 0..3 {
-                sum[k] += c[r][k];
-            }
+            add(&mut sum, c[r]);
         }
         precision_f1(sum)
     })
 }
 
-/// The simulation's table: per method micro precision and F1 at each ratio
-/// over the test users of every seed (a user drawn by several seeds counts
-/// once, with its decisions summed), F1 with a 95% percentile-bootstrap
-/// interval over users; then paired differences of F1. Also the plot series
-/// (the point values) and the F1 values and intervals by method name.
+/// What [`summarise`] makes of the seeds' runs.
 struct Summary {
+    /// The markdown table.
     table: String,
+    /// The point values, for the plot.
     series: Vec<Series>,
     /// Per method: per ratio (precision, F1, F1 low, F1 high).
     cells: Vec<(&'static str, [(f64, f64, f64, f64); 3])>,
@@ -374,6 +382,10 @@ struct Summary {
     diffs: Vec<(String, [(f64, f64, f64); 3])>,
 }
 
+/// The simulation's table: per method micro precision and F1 at each ratio
+/// over the test users of every seed (a user drawn by several seeds counts
+/// once, with its decisions summed), F1 with a 95% percentile-bootstrap
+/// interval over users; then paired differences of F1.
 fn summarise(per_seed: &[SeedRun], header: &str) -> Summary {
     use rand::Rng;
     let mut table = header.to_owned();
@@ -403,10 +415,8 @@ fn summarise(per_seed: &[SeedRun], header: &str) -> Summary {
             for run in per_seed {
                 for (u, c) in &run[m].1 {
                     let at = &mut by_unit[units[u.as_str()]];
-                    for r in 0..3 {
-                        for k in 0..3 {
-                            at[r][k] += c[r][k];
-                        }
+                    for (sum, x) in at.iter_mut().zip(c) {
+                        add(sum, *x);
                     }
                 }
             }
@@ -613,27 +623,13 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 10, "methods × seeds");
-    // The seeds are independent and each builds its states on one core:
-    // one thread per seed.
-    let runs: Vec<Result<(SeedRun, [fuse::Decision; 2])>> = std::thread::scope(|scope| {
-        let (items, text, bar) = (&items, &text, &bar);
-        let handles: Vec<_> = samples
-            .iter()
-            .zip(&e.seeds)
-            .map(|(s, &seed)| scope.spawn(move || simulate_one(s, items, text, (seed, tau), bar)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(bad("a simulation thread panicked".to_owned())))
-            })
-            .collect()
-    });
+    let work: Vec<(&SimSample, u64)> = samples.iter().zip(e.seeds.iter().copied()).collect();
+    let runs = super::on_threads(&work, |&(s, seed)| {
+        simulate_one(s, &items, &text, (seed, tau), &bar)
+    })?;
     let mut per_seed = Vec::new();
     let mut fitted = Vec::new();
-    for (run, &seed) in runs.into_iter().zip(&e.seeds) {
-        let (run, fit) = run?;
+    for ((run, fit), &seed) in runs.into_iter().zip(&e.seeds) {
         per_seed.push(run);
         fitted.push((seed, fit));
     }
@@ -709,7 +705,7 @@ fn simulation_result(summary: &Summary) -> String {
     for (r, m) in RATIOS.iter().enumerate() {
         line.push_str(&format!(" steam_f1_1_{m}={:.4}", steam[r].1));
     }
-    if let Some((_, d)) = summary.diffs.first() {
+    if let Some((_, d)) = summary.diffs.iter().find(|d| d.0.starts_with(FUSED)) {
         for (r, m) in RATIOS.iter().enumerate() {
             let (x, lo, hi) = d[r];
             line.push_str(&format!(
@@ -763,7 +759,7 @@ fn diversity_of(
 
 /// Per method: [ILD, Entropy, DS, HR@10], means over the users.
 fn diversity_one(
-    users: &[User],
+    (users, others): (&[User], &[User]),
     pool: &[String],
     train: &[(String, String)],
     (items, text): (&Items, &ItemText),
@@ -771,7 +767,10 @@ fn diversity_one(
     (seed, tau): (u64, Option<f32>),
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
-    let states = steam_states(users, items, tau)?;
+    // STEAM learns from the same interactions as popularity and item-item
+    // CF: the users' histories and every other user's ratings.
+    let learners: Vec<User> = users.iter().chain(others).cloned().collect();
+    let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(train);
     let rankers: Vec<(&'static str, Ranker<'_>)> = rankers(&states, items, &cf, text, seed, tau);
     let mut out = Vec::new();
@@ -811,8 +810,9 @@ fn diversity_one(
 /// `steamrf eval steam --task diversity`.
 pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
     let started = Instant::now();
-    // Per seed: users, the recommendation pool, the training interactions.
-    type Run = (Vec<User>, Vec<String>, Vec<(String, String)>);
+    // Per seed: users, the recommendation pool, the training interactions,
+    // the users not under test (whom STEAM learns from too).
+    type Run = (Vec<User>, Vec<String>, Vec<(String, String)>, Vec<User>);
     let (catalogue, runs): (Catalogue, Vec<Run>) = match e.subset.as_str() {
         "dense" | "sparse" | "cds-dense" | "cds-sparse" => {
             let sub = e.subset.trim_start_matches("cds-");
@@ -837,7 +837,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
             let runs = e
                 .seeds
                 .iter()
-                .map(|_| (us.clone(), pool.clone(), train.clone()))
+                .map(|_| (us.clone(), pool.clone(), train.clone(), Vec::new()))
                 .collect();
             (cds_catalogue(&e.data)?, runs)
         }
@@ -855,7 +855,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
                         .into_iter()
                         .map(str::to_owned)
                         .collect();
-                    (s.users, pool, s.train)
+                    (s.users, pool, s.train, s.others)
                 })
                 .collect();
             ((meta, ML_TEMPLATE), runs)
@@ -864,7 +864,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
     };
     let needed: Vec<String> = runs
         .iter()
-        .flat_map(|(us, pool, _)| {
+        .flat_map(|(us, pool, _, _)| {
             pool.iter()
                 .cloned()
                 .chain(us.iter().flat_map(|u| u.history.iter().cloned()))
@@ -873,23 +873,23 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
-    let mut per_seed = Vec::new();
-    for ((us, pool, train), &seed) in runs.iter().zip(&e.seeds) {
+    let work: Vec<(&Run, u64)> = runs.iter().zip(e.seeds.iter().copied()).collect();
+    let per_seed = super::on_threads(&work, |&((us, pool, train, others), seed)| {
         let pool: Vec<String> = pool
             .iter()
             .filter(|i| items.contains_key(*i))
             .cloned()
             .collect();
-        per_seed.push(diversity_one(
-            us,
+        diversity_one(
+            (us, others),
             &pool,
             train,
             (&items, &text),
             &catalogue.0,
             (seed, tau),
             &bar,
-        )?);
-    }
+        )
+    })?;
     bar.finish_and_clear();
     let (table, series) = summarise_means(
         &per_seed,
