@@ -93,39 +93,79 @@ pub struct Fit {
 /// # Panics
 /// If `rankers` is 0.
 pub fn fit(queries: &[Query], rankers: usize, steps: usize) -> Fit {
+    let groups: Vec<&[Vec<f64>]> = queries.iter().map(|q| q.scores.as_slice()).collect();
+    let best = search(&groups, rankers, steps, |fused| {
+        let mean = queries
+            .iter()
+            .zip(fused)
+            .map(|(q, f)| ndcg10(f, q.target))
+            .sum::<f64>()
+            / queries.len().max(1) as f64;
+        (mean, ())
+    });
+    Fit {
+        weights: best.weights,
+        ndcg10: best.score,
+        tried: best.tried,
+    }
+}
+
+/// The best point of [`search`]: its weights, its objective, what the
+/// objective returned beside it, and the points tried.
+struct Best<T> {
+    weights: Vec<f64>,
+    score: f64,
+    extra: Option<T>,
+    tried: usize,
+}
+
+/// The grid search both fits run: every point of the simplex grid of
+/// `rankers` weights in steps of `1 / steps`, each group's [`fuse`]d scores
+/// under it handed to `objective`; the first point (in grid order) with the
+/// highest objective wins.
+///
+/// # Panics
+/// If `rankers` is 0.
+fn search<T>(
+    groups: &[&[Vec<f64>]],
+    rankers: usize,
+    steps: usize,
+    mut objective: impl FnMut(&[Vec<f64>]) -> (f64, T),
+) -> Best<T> {
     assert!(rankers > 0, "nothing to fuse");
     let steps = steps.max(1);
-    // The standardised columns once per query.
-    let z: Vec<Vec<Vec<f64>>> = queries
+    // The standardised columns once per group.
+    let z: Vec<Vec<Vec<f64>>> = groups
         .iter()
-        .map(|q| {
+        .map(|g| {
             (0..rankers)
-                .map(|r| standardise(&q.scores.iter().map(|s| s[r]).collect::<Vec<_>>()))
+                .map(|r| standardise(&g.iter().map(|s| s[r]).collect::<Vec<_>>()))
                 .collect()
         })
         .collect();
-    let mut best = Fit {
+    let mut best = Best {
         weights: Vec::new(),
-        ndcg10: f64::NEG_INFINITY,
+        score: f64::NEG_INFINITY,
+        extra: None,
         tried: 0,
     };
     let mut point = vec![0usize; rankers];
     compositions(steps, 0, &mut point, &mut |p| {
         let w: Vec<f64> = p.iter().map(|&k| k as f64 / steps as f64).collect();
-        let mean = queries
+        let fused: Vec<Vec<f64>> = groups
             .iter()
             .zip(&z)
-            .map(|(q, zq)| {
-                let fused: Vec<f64> = (0..q.scores.len())
-                    .map(|c| w.iter().zip(zq).map(|(wr, zr)| wr * zr[c]).sum())
-                    .collect();
-                ndcg10(&fused, q.target)
+            .map(|(g, zg)| {
+                (0..g.len())
+                    .map(|c| w.iter().zip(zg).map(|(wr, zr)| wr * zr[c]).sum())
+                    .collect()
             })
-            .sum::<f64>()
-            / queries.len().max(1) as f64;
+            .collect();
+        let (score, extra) = objective(&fused);
         best.tried += 1;
-        if mean > best.ndcg10 {
-            best.ndcg10 = mean;
+        if score > best.score {
+            best.score = score;
+            best.extra = Some(extra);
             best.weights = w;
         }
     });
@@ -186,45 +226,22 @@ pub fn best_threshold(mut scored: Vec<(f64, bool)>) -> (f64, f64) {
 /// # Panics
 /// If `rankers` is 0.
 pub fn fit_decision(slates: &[Slate], rankers: usize, steps: usize) -> Decision {
-    assert!(rankers > 0, "nothing to fuse");
-    let steps = steps.max(1);
-    let z: Vec<Vec<Vec<f64>>> = slates
-        .iter()
-        .map(|s| {
-            (0..rankers)
-                .map(|r| standardise(&s.scores.iter().map(|x| x[r]).collect::<Vec<_>>()))
-                .collect()
-        })
-        .collect();
-    let mut best = Decision {
-        weights: Vec::new(),
-        threshold: f64::INFINITY,
-        f1: f64::NEG_INFINITY,
-        tried: 0,
-    };
-    let mut point = vec![0usize; rankers];
-    compositions(steps, 0, &mut point, &mut |p| {
-        let w: Vec<f64> = p.iter().map(|&k| k as f64 / steps as f64).collect();
-        let scored: Vec<(f64, bool)> = slates
+    let groups: Vec<&[Vec<f64>]> = slates.iter().map(|s| s.scores.as_slice()).collect();
+    let best = search(&groups, rankers, steps, |fused| {
+        let scored: Vec<(f64, bool)> = fused
             .iter()
-            .zip(&z)
-            .flat_map(|(s, zs)| {
-                let w = &w;
-                s.positive
-                    .iter()
-                    .enumerate()
-                    .map(move |(i, &pos)| (w.iter().zip(zs).map(|(wr, zr)| wr * zr[i]).sum(), pos))
-            })
+            .zip(slates)
+            .flat_map(|(f, s)| f.iter().copied().zip(s.positive.iter().copied()))
             .collect();
         let (threshold, f1) = best_threshold(scored);
-        best.tried += 1;
-        if f1 > best.f1 {
-            best.f1 = f1;
-            best.threshold = threshold;
-            best.weights = w;
-        }
+        (f1, threshold)
     });
-    best
+    Decision {
+        weights: best.weights,
+        threshold: best.extra.unwrap_or(f64::INFINITY),
+        f1: best.score,
+        tried: best.tried,
+    }
 }
 
 /// Calls `f` with every way of writing `left` as `point.len() - at`

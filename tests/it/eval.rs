@@ -3,7 +3,6 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::Command;
 
 use rand::{Rng, SeedableRng};
 
@@ -71,25 +70,20 @@ fn eval_steam_simulation_reports_f1_with_intervals_on_a_small_fixture() {
     std::fs::create_dir(&data).unwrap();
     write_movielens(&data);
     let out_dir = dir.path().join("results");
-    let out = Command::new(steamrf_bin())
-        .current_dir(repo_root())
-        .args(["eval", "steam", "--task", "simulation", "--subset"])
-        .args(["ml100k-catalogue", "--seeds", "1", "--data"])
-        .arg(&data)
-        .arg("--out")
-        .arg(&out_dir)
-        .env("STEAMRF_LOG", "warn")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{text}");
-    let r = steamrf_harness::bench::result_fields(&text)
-        .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
+    let (text, r) = steamrf_result([
+        "eval",
+        "steam",
+        "--task",
+        "simulation",
+        "--subset",
+        "ml100k-catalogue",
+        "--seeds",
+        "1",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
     for m in [1, 3, 9] {
         let f1 = r[&format!("f1_1_{m}")];
         let (lo, hi) = (

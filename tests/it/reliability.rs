@@ -562,23 +562,7 @@ fn a_short_soak_has_no_errors() {
 
 /// Runs `steamrf bench ARGS`, which must succeed; its output and RESULT fields.
 fn bench(args: &[&str]) -> (String, std::collections::HashMap<String, f64>) {
-    let out = Command::new(steamrf_bin())
-        .current_dir(repo_root())
-        .arg("bench")
-        .args(args)
-        .env("STEAMRF_LOG", "warn")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{text}");
-    let r = steamrf_harness::bench::result_fields(&text)
-        .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
-    (text, r)
+    steamrf_result(std::iter::once("bench").chain(args.iter().copied()))
 }
 
 /// `steamrf bench serve`, small: more users are asked for than the cache

@@ -871,3 +871,27 @@ pub fn topic_config(topic: &str, key: &str) -> Option<String> {
         .flatten()
         .find_map(|r| r.get(key).and_then(|e| e.value.clone()))
 }
+
+/// Runs `steamrf ARGS` from the repository root, which must succeed; its
+/// output and the fields of its last line, `RESULT key=value …` (every
+/// `bench` and `eval` ends with one).
+pub fn steamrf_result<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+) -> (String, std::collections::HashMap<String, f64>) {
+    let out = Command::new(steamrf_bin())
+        .current_dir(repo_root())
+        .args(args)
+        .env("STEAMRF_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    let r = steamrf_harness::bench::result_fields(&text)
+        .unwrap_or_else(|| panic!("no RESULT line last: {text}"));
+    (text, r)
+}

@@ -40,7 +40,7 @@ use super::plot::{self, Series};
 use super::steam::{
     Catalogue, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue, embed_items,
     feature_rows, features_of, histories, item_cf, item_text, mean_sd, ml_sample, movielens,
-    negative_pool, rankers, steam_states, unseen, users,
+    negative_pool, others_of, rankers, steam_states, unseen, users,
 };
 use steamrf_operators::fuse::{self, Slate};
 use steamrf_operators::rank::ItemText;
@@ -139,18 +139,7 @@ fn sim_sample(
         .filter(|(u, i, _)| !held_out.contains(&(u.as_str(), i.as_str())))
         .map(|(u, i, _)| (u.clone(), i.clone()))
         .collect();
-    let sampled: HashSet<&str> = ids.iter().copied().collect();
-    // `by_user` is ordered by id, so the others are too.
-    let others = by_user
-        .iter()
-        .filter(|(u, _)| !sampled.contains(*u))
-        .map(|(u, v)| User {
-            id: (*u).to_owned(),
-            history: v.iter().map(|x| x.1.to_owned()).collect(),
-            target: String::new(),
-            negatives: Vec::new(),
-        })
-        .collect();
+    let others = others_of(&by_user, &ids);
     SimSample {
         users,
         train,
@@ -305,10 +294,10 @@ fn simulate_one(
             })
             .collect()
     };
-    let with_steam = fuse::fit_decision(&slates(0), 4, 10);
+    let calibration = slates(0);
+    let with_steam = fuse::fit_decision(&calibration, 4, 10);
     let mut without_steam = fuse::fit_decision(&slates(1), 3, 10);
     without_steam.weights.insert(0, 0.0);
-    let calibration = slates(0);
     let alone: Vec<fuse::Decision> = (0..4)
         .map(|k| {
             let one: Vec<Slate> = calibration

@@ -524,23 +524,29 @@ fn ml_sample_holding(
         .filter(|(u, i, _)| !held_out.contains(&(u.as_str(), i.as_str())))
         .map(|(u, i, _)| (u.clone(), i.clone()))
         .collect();
-    let tested: HashSet<&str> = ids.iter().copied().collect();
-    let mut others: Vec<User> = by_user
+    Sample {
+        users,
+        train,
+        others: others_of(&by_user, &ids),
+    }
+}
+
+/// Every user of `by_user` not in `sampled`, with all its ratings as its
+/// history (what STEAM learns from beside the users under test), in id
+/// order.
+pub(super) fn others_of(by_user: &BTreeMap<&str, Vec<(i64, &str)>>, sampled: &[&str]) -> Vec<User> {
+    let sampled: HashSet<&str> = sampled.iter().copied().collect();
+    // A BTreeMap iterates in key order: the result is sorted by id.
+    by_user
         .iter()
-        .filter(|(u, _)| !tested.contains(*u))
+        .filter(|(u, _)| !sampled.contains(*u))
         .map(|(u, v)| User {
             id: (*u).to_owned(),
             history: v.iter().map(|x| x.1.to_owned()).collect(),
             target: String::new(),
             negatives: Vec::new(),
         })
-        .collect();
-    others.sort_by(|a, b| a.id.cmp(&b.id));
-    Sample {
-        users,
-        train,
-        others,
-    }
+        .collect()
 }
 
 /// The STEAM paper's ML-100K sample (its Table 1: 100 users, 600
