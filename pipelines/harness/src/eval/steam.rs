@@ -670,6 +670,27 @@ pub(super) fn rankers<'a>(
     ]
 }
 
+/// The fused ranker's signals alone, in the order of [`FUSED_FEATURES`]:
+/// what a fit needs, without the ablation states.
+fn feature_rankers<'a>(
+    state: &'a SteamState,
+    items: &'a Items,
+    cf: &'a ItemCf,
+    text: &'a ItemText,
+    tau: Option<f32>,
+) -> Vec<(&'static str, Ranker<'a>)> {
+    let (rec, _) = recommend_params(tau);
+    vec![
+        (FUSED_FEATURES[0], steam_ranker(state, items, rec)),
+        (FUSED_FEATURES[1], signal(Some(cf), None, 1)),
+        (FUSED_FEATURES[2], signal(None, Some(text), 2)),
+        (
+            FUSED_FEATURES[3],
+            Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.popularity(i)).collect()),
+        ),
+    ]
+}
+
 /// Per method (name, per user [NDCG@1, @5, @10] in the sample's user
 /// order), and the memory counts (full, w/o MC, w/o AMU, published
 /// prototypes).
@@ -742,13 +763,13 @@ pub(super) fn fit_fused(
     valid: &Sample,
     items: &Items,
     text: &ItemText,
-    seed: u64,
     tau: Option<f32>,
 ) -> Result<Fitted> {
     let learners: Vec<User> = valid.users.iter().chain(&valid.others).cloned().collect();
-    let states = steam_states(&learners, items, tau)?;
+    // Only the full state: the ablations are table rows, not features.
+    let state = steam_state(&learners, items, ablations(tau)[0])?;
     let cf = item_cf(&valid.train);
-    let rankers = rankers(&states, items, &cf, text, seed, tau);
+    let rankers = feature_rankers(&state, items, &cf, text, tau);
     let cands: Vec<Vec<String>> = valid
         .users
         .iter()
@@ -1128,8 +1149,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let text = item_text(&texts);
     let fitted = match &valid {
         Some(v) => {
-            let seed = e.seeds.first().copied().unwrap_or(0);
-            let f = fit_fused(v, &items, &text, seed, tau)?;
+            let f = fit_fused(v, &items, &text, tau)?;
             let split = if e.subset.starts_with("ml100k") {
                 "each predicting its second-to-last rating; the last is held out of all training data"
             } else {
