@@ -239,6 +239,90 @@ fn intersection(x: &[u32], y: &[u32]) -> u32 {
     n
 }
 
+/// User-user collaborative filtering over binary interactions: a user's k
+/// most similar other users (cosine of their item sets) vote for the items
+/// they hold, each with its similarity; a candidate's score is its share of
+/// the votes. A reference baseline for the evaluation (the behavioural
+/// counterpart of STEAM's neighbours(c), which finds its neighbours by
+/// memory embeddings), not a signal of the served ranker.
+#[derive(Debug, Clone, Default)]
+pub struct UserKnn {
+    /// User → its items (numbers), ascending, distinct.
+    items_of: HashMap<Box<str>, Vec<u32>>,
+    /// Item number → its users, ascending, distinct.
+    users_of: Vec<Vec<u32>>,
+    /// User number → its id.
+    ids: Vec<Box<str>>,
+    /// Item id → its number.
+    numbers: HashMap<Box<str>, u32>,
+}
+
+impl UserKnn {
+    /// From `(user, item)` pairs; repeated pairs count once.
+    pub fn new<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        let mut me = Self::default();
+        let mut user_number: HashMap<Box<str>, u32> = HashMap::new();
+        for (u, i) in pairs {
+            let next = u32::try_from(me.numbers.len()).unwrap_or(u32::MAX);
+            let item = *me.numbers.entry(i.into()).or_insert(next);
+            let next = u32::try_from(me.ids.len()).unwrap_or(u32::MAX);
+            let user = *user_number.entry(u.into()).or_insert_with(|| {
+                me.ids.push(u.into());
+                next
+            });
+            me.items_of.entry(u.into()).or_default().push(item);
+            if me.users_of.len() <= item as usize {
+                me.users_of.resize(item as usize + 1, Vec::new());
+            }
+            me.users_of[item as usize].push(user);
+        }
+        for list in me.items_of.values_mut().chain(me.users_of.iter_mut()) {
+            list.sort_unstable();
+            list.dedup();
+        }
+        me
+    }
+
+    /// Each candidate's share of the votes of `user`'s `k` nearest users
+    /// (0 for a user without items, or a candidate none of them holds).
+    pub fn scores(&self, user: &str, candidates: &[&str], k: usize) -> Vec<f64> {
+        let Some(mine) = self.items_of.get(user) else {
+            return vec![0.0; candidates.len()];
+        };
+        // Co-occurrence with every other user through the shared items.
+        let mut co: HashMap<u32, u32> = HashMap::new();
+        for &i in mine {
+            for &v in &self.users_of[i as usize] {
+                *co.entry(v).or_insert(0) += 1;
+            }
+        }
+        let mut near: Vec<(f64, u32)> = co
+            .into_iter()
+            .filter(|&(v, _)| *self.ids[v as usize] != *user)
+            .map(|(v, n)| {
+                let theirs = self.items_of[&self.ids[v as usize]].len();
+                (f64::from(n) / ((mine.len() * theirs) as f64).sqrt(), v)
+            })
+            .collect();
+        near.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        near.truncate(k);
+        let total: f64 = near.iter().map(|n| n.0).sum();
+        candidates
+            .iter()
+            .map(|c| {
+                let Some(&item) = self.numbers.get(*c) else {
+                    return 0.0;
+                };
+                let holders = &self.users_of[item as usize];
+                near.iter()
+                    .filter(|(_, v)| holders.binary_search(v).is_ok())
+                    .map(|(s, _)| s / total)
+                    .sum()
+            })
+            .collect()
+    }
+}
+
 /// BM25 over item texts, as a forward index (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct ItemText {
@@ -427,6 +511,30 @@ pub fn score(weights: &Weights, features: &[[f64; 4]]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_knn_votes_with_the_most_similar_users() {
+        let pairs = [
+            ("ann", "a"),
+            ("ann", "b"),
+            ("ben", "a"),
+            ("ben", "b"),
+            ("ben", "c"),
+            ("cat", "a"),
+            ("cat", "d"),
+            ("dan", "e"),
+        ];
+        let knn = UserKnn::new(pairs);
+        // Ben (cosine 2/√6) is nearer ann than cat (1/2); dan shares nothing.
+        let one = knn.scores("ann", &["c", "d", "e", "zzz"], 1);
+        assert_eq!(one, vec![1.0, 0.0, 0.0, 0.0]);
+        let two = knn.scores("ann", &["c", "d", "e"], 20);
+        let (ben, cat) = (2.0 / 6f64.sqrt(), 0.5);
+        assert!((two[0] - ben / (ben + cat)).abs() < 1e-12);
+        assert!((two[1] - cat / (ben + cat)).abs() < 1e-12);
+        assert_eq!(two[2], 0.0);
+        assert_eq!(knn.scores("nobody", &["a"], 5), vec![0.0]);
+    }
 
     fn reference_intersection(x: &[u32], y: &[u32]) -> u32 {
         x.iter().filter(|v| y.contains(v)).count() as u32

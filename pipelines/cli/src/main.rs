@@ -138,6 +138,15 @@ enum EvalCmd {
         /// Geometry ablation: one τ (formation, links, recommendation) = this quantile of the item-item cosines, instead of the paper's 0.5.
         #[arg(long, value_parser = quantile)]
         tau_quantile: Option<f32>,
+        /// Ablation: δ, the weight of recommend's neighbours(c) term (0: the paper's score; default 10).
+        #[arg(long)]
+        neighbour_weight: Option<f32>,
+        /// Ablation: k_n, the neighbour memories that vote in neighbours(c) (default 20).
+        #[arg(long)]
+        k_neighbours: Option<usize>,
+        /// Stop after the fused ranker's fit on the validation split (ranking): print each signal's and the fits' validation NDCG@10 and a RESULT with split=valid; no test user is scored.
+        #[arg(long)]
+        fit_only: bool,
         /// Configuration, for [embed].
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
@@ -527,6 +536,9 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     plain_item_text,
                     centre,
                     tau_quantile,
+                    neighbour_weight,
+                    k_neighbours,
+                    fit_only,
                     config,
                 },
         } => {
@@ -544,6 +556,11 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     centre,
                     tau_quantile,
                 },
+                scoring: steamrf_harness::eval::Scoring {
+                    neighbour_weight,
+                    k_neighbours,
+                },
+                fit_only,
             })
             .await
             .context("eval steam")?;

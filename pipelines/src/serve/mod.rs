@@ -1048,6 +1048,10 @@ pub struct RankedItem {
     pub collab: f32,
     /// Share of collaborative memories whose users chose this item.
     pub seen: f32,
+    /// The share of the votes of the users most like this one (the nearest
+    /// other users' memories in the matched memory's community) that chose
+    /// this item.
+    pub neighbours: f32,
     /// Each signal's raw value, when `serve.ranker` fuses several.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signals: Option<SignalValues>,
@@ -1156,6 +1160,12 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
                 Some(m) => format!("close to your memory \"{}\" ({:.2})", m.content, r.local),
                 None => "no memories yet".to_owned(),
             };
+            if r.neighbours > 0.0 {
+                reason.push_str(&format!(
+                    "; chosen by users like you ({:.0}% of their votes)",
+                    r.neighbours * 100.0
+                ));
+            }
             if r.seen > 0.0 {
                 reason.push_str(&format!(
                     "; chosen by {:.0}% of similar users in your community",
@@ -1188,6 +1198,7 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
                 local: r.local,
                 collab: r.collab,
                 seen: r.seen,
+                neighbours: r.neighbours,
                 signals,
                 memory_id: r.memory_id.map(|m| m.to_string()),
                 reason,
@@ -1202,6 +1213,7 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
         local: 0.0,
         collab: 0.0,
         seen: 0.0,
+        neighbours: 0.0,
         signals: None,
         memory_id: None,
         reason: "unknown item (not in the items table, or not embedded)".to_owned(),

@@ -568,11 +568,10 @@ async fn recommend_ranks_with_reasons_and_unknown_items_last() {
         .collect();
     assert_eq!(ids, ["dave", "far", "mystery"]);
     assert!(ranked[0]["seen"].as_f64().unwrap() > 0.0);
+    assert!(ranked[0]["neighbours"].as_f64().unwrap() > 0.0);
+    let reason = ranked[0]["reason"].as_str().unwrap();
     assert!(
-        ranked[0]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("similar users"),
+        reason.contains("similar users") && reason.contains("users like you"),
         "{v}"
     );
     assert!(

@@ -10,7 +10,7 @@ mod simulate;
 mod steam;
 
 pub use rfmem::{RfMemEval, rfmem};
-pub use steam::{Geometry, SteamEval, steam};
+pub use steam::{Geometry, Scoring, SteamEval, steam};
 
 use std::path::{Path, PathBuf};
 

@@ -40,10 +40,11 @@ use super::plot::{self, Series};
 use super::steam::{
     Catalogue, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue, embed_items,
     feature_rows, features_of, histories, item_cf, item_text, mean_sd, ml_sample, movielens,
-    negative_pool, others_of, rankers, steam_states, unseen, users,
+    negative_pool, others_of, rankers, recommend_params, steam_states, unseen, user_knn, users,
 };
 use steamrf_operators::fuse::{self, Slate};
 use steamrf_operators::rank::ItemText;
+use steamrf_operators::steam::retrieve::RecommendParams;
 
 use steamrf_pipelines::error::Result;
 
@@ -227,14 +228,15 @@ fn simulate_one(
     s: &SimSample,
     items: &Items,
     text: &ItemText,
-    (seed, tau): (u64, Option<f32>),
+    (seed, tau, rec): (u64, Option<f32>, RecommendParams),
     bar: &indicatif::ProgressBar,
 ) -> Result<(SeedRun, [fuse::Decision; 2])> {
     // STEAM learns from the same interactions as the baselines.
     let learners: Vec<User> = s.users.iter().chain(&s.others).cloned().collect();
     let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(&s.train);
-    let rankers = rankers(&states, items, &cf, text, seed, tau);
+    let knn = user_knn(&s.train);
+    let rankers = rankers(&states, items, (&cf, &knn), text, seed, rec);
     // `scores[method][ratio][case][item]`.
     let scores: Vec<Vec<Vec<Vec<f64>>>> = rankers
         .iter()
@@ -610,11 +612,12 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
         .collect();
     let catalogue: Catalogue = (meta, ML_TEMPLATE);
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
+    let rec = recommend_params(tau, &e.scoring);
     let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 10, "methods × seeds");
     let work: Vec<(&SimSample, u64)> = samples.iter().zip(e.seeds.iter().copied()).collect();
     let runs = super::on_threads(&work, |&(s, seed)| {
-        simulate_one(s, &items, &text, (seed, tau), &bar)
+        simulate_one(s, &items, &text, (seed, tau, rec), &bar)
     })?;
     let mut per_seed = Vec::new();
     let mut fitted = Vec::new();
@@ -753,7 +756,7 @@ fn diversity_one(
     train: &[(String, String)],
     (items, text): (&Items, &ItemText),
     meta: &HashMap<String, (String, String)>,
-    (seed, tau): (u64, Option<f32>),
+    (seed, tau, rec): (u64, Option<f32>, RecommendParams),
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
     // STEAM learns from the same interactions as popularity and item-item
@@ -761,7 +764,9 @@ fn diversity_one(
     let learners: Vec<User> = users.iter().chain(others).cloned().collect();
     let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(train);
-    let rankers: Vec<(&'static str, Ranker<'_>)> = rankers(&states, items, &cf, text, seed, tau);
+    let knn = user_knn(train);
+    let rankers: Vec<(&'static str, Ranker<'_>)> =
+        rankers(&states, items, (&cf, &knn), text, seed, rec);
     let mut out = Vec::new();
     for (name, rank) in &rankers {
         let mut acc = [0.0f64; 4];
@@ -860,6 +865,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
         })
         .collect();
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
+    let rec = recommend_params(tau, &e.scoring);
     let text = item_text(&texts);
     let bar = super::progress(e.seeds.len() * 8, "methods × seeds");
     let work: Vec<(&Run, u64)> = runs.iter().zip(e.seeds.iter().copied()).collect();
@@ -875,7 +881,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
             train,
             (&items, &text),
             &catalogue.0,
-            (seed, tau),
+            (seed, tau, rec),
             &bar,
         )
     })?;

@@ -30,7 +30,7 @@ use rand::{SeedableRng, rngs::StdRng};
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::fuse::{self, Fit};
 use steamrf_operators::lexical::Bm25Params;
-use steamrf_operators::rank::{self, ItemCf, ItemText, RankParams, Weights};
+use steamrf_operators::rank::{self, ItemCf, ItemText, RankParams, UserKnn, Weights};
 use steamrf_operators::steam::memory::{EvolveParams, Observation};
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::{MemoryView, RecommendParams, recommend};
@@ -64,6 +64,22 @@ pub struct SteamEval {
     pub fit_out: Option<PathBuf>,
     /// The embedding-geometry ablation; the default is the paper's set-up.
     pub geometry: Geometry,
+    /// Overrides of `recommend`'s neighbours term (the defaults otherwise).
+    pub scoring: Scoring,
+    /// Stop after the fused ranker's validation fit (ranking only): print
+    /// each signal's and the fits' validation NDCG@10, never touching the
+    /// test targets. What STEAM's parameters are chosen with.
+    pub fit_only: bool,
+}
+
+/// Overrides of `recommend`'s neighbours(c) term (`RecommendParams`), for
+/// the ablation and the validation sweep that chose its defaults.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Scoring {
+    /// δ (default `RecommendParams::default().neighbour_weight`).
+    pub neighbour_weight: Option<f32>,
+    /// k_n (default `RecommendParams::default().k_neighbours`).
+    pub k_neighbours: Option<usize>,
 }
 
 /// The embedding-geometry ablation (issue 17; `steam::geometry` in the
@@ -622,15 +638,28 @@ fn signal<'a>(cf: Option<&'a ItemCf>, text: Option<&'a ItemText>, column: usize)
 pub(super) fn rankers<'a>(
     states: &'a [SteamState; 3],
     items: &'a Items,
-    cf: &'a ItemCf,
+    (cf, knn): (&'a ItemCf, &'a UserKnn),
     text: &'a ItemText,
     seed: u64,
-    tau: Option<f32>,
+    rec: RecommendParams,
 ) -> Vec<(&'static str, Ranker<'a>)> {
-    let (rec, no_cc) = recommend_params(tau);
     vec![
         ("steamrf (STEAM)", steam_ranker(&states[0], items, rec)),
-        ("steamrf w/o CC", steam_ranker(&states[0], items, no_cc)),
+        (
+            "steamrf w/o CC",
+            steam_ranker(&states[0], items, without_cc(rec)),
+        ),
+        (
+            NO_NEIGHBOURS,
+            steam_ranker(
+                &states[0],
+                items,
+                RecommendParams {
+                    neighbour_weight: 0.0,
+                    ..rec
+                },
+            ),
+        ),
         ("steamrf w/o MC", steam_ranker(&states[1], items, rec)),
         ("steamrf w/o AMU", steam_ranker(&states[2], items, rec)),
         (
@@ -667,6 +696,13 @@ pub(super) fn rankers<'a>(
         ),
         ("item-item CF", signal(Some(cf), None, 1)),
         ("BM25 (item text)", signal(None, Some(text), 2)),
+        (
+            USER_KNN,
+            Box::new(|u: &User, c: &[String]| {
+                let c: Vec<&str> = c.iter().map(String::as_str).collect();
+                knn.scores(&u.id, &c, USER_KNN_K)
+            }),
+        ),
     ]
 }
 
@@ -677,9 +713,8 @@ fn feature_rankers<'a>(
     items: &'a Items,
     cf: &'a ItemCf,
     text: &'a ItemText,
-    tau: Option<f32>,
+    rec: RecommendParams,
 ) -> Vec<(&'static str, Ranker<'a>)> {
-    let (rec, _) = recommend_params(tau);
     vec![
         (FUSED_FEATURES[0], steam_ranker(state, items, rec)),
         (FUSED_FEATURES[1], signal(Some(cf), None, 1)),
@@ -706,6 +741,17 @@ const FUSED_FEATURES: [&str; 4] = [
     "BM25 (item text)",
     "popularity",
 ];
+
+/// User-user CF over the training interactions: the behavioural
+/// counterpart of STEAM's neighbours(c), shown beside the baselines the
+/// issue names (it is not one of them, so not in [`BASELINES`]).
+pub(super) const USER_KNN: &str = "user-kNN CF (reference)";
+
+/// Its neighbours: STEAM's k_n default, not tuned.
+const USER_KNN_K: usize = 20;
+
+/// STEAM with the paper's score: no neighbours(c) term (δ = 0).
+const NO_NEIGHBOURS: &str = "steamrf w/o neighbours (δ = 0, the paper's score)";
 
 /// The fused ranker's row name.
 const FUSED: &str = "steamrf fused (STEAM + CF + BM25 + popularity, fit on valid)";
@@ -755,6 +801,8 @@ pub(super) struct Fitted {
     pub(super) with_steam: Fit,
     /// STEAM's weight held at 0.
     pub(super) without_steam: Fit,
+    /// Each signal alone, in the order of [`FUSED_FEATURES`]: validation NDCG@10.
+    pub(super) alone: Vec<f64>,
 }
 
 /// Fits the fused ranker's weights on a validation sample (its own STEAM
@@ -763,13 +811,13 @@ pub(super) fn fit_fused(
     valid: &Sample,
     items: &Items,
     text: &ItemText,
-    tau: Option<f32>,
+    (tau, rec): (Option<f32>, RecommendParams),
 ) -> Result<Fitted> {
     let learners: Vec<User> = valid.users.iter().chain(&valid.others).cloned().collect();
     // Only the full state: the ablations are table rows, not features.
     let state = steam_state(&learners, items, ablations(tau)[0])?;
     let cf = item_cf(&valid.train);
-    let rankers = feature_rankers(&state, items, &cf, text, tau);
+    let rankers = feature_rankers(&state, items, &cf, text, rec);
     let cands: Vec<Vec<String>> = valid
         .users
         .iter()
@@ -793,12 +841,27 @@ pub(super) fn fit_fused(
             })
             .collect()
     };
+    // Each signal alone on the validation split (what a choice of STEAM's
+    // parameters is read from: `--fit-only`).
+    let alone: Vec<f64> = (0..4)
+        .map(|col| {
+            let q: Vec<fuse::Query> = queries(col)
+                .into_iter()
+                .map(|mut q| {
+                    q.scores.iter_mut().for_each(|row| row.truncate(1));
+                    q
+                })
+                .collect();
+            fuse::fit(&q, 1, 10).ndcg10
+        })
+        .collect();
     let with_steam = fuse::fit(&queries(0), 4, 10);
     let mut without_steam = fuse::fit(&queries(1), 3, 10);
     without_steam.weights.insert(0, 0.0);
     Ok(Fitted {
         with_steam,
         without_steam,
+        alone,
     })
 }
 
@@ -827,6 +890,11 @@ fn write_weights(path: &Path, e: &SteamEval, fit: &Fit) -> Result<()> {
 }
 
 /// Users per item from the training interactions.
+/// User-user CF over `train`'s (user, item) pairs.
+pub(super) fn user_knn(train: &[(String, String)]) -> UserKnn {
+    UserKnn::new(train.iter().map(|(u, i)| (u.as_str(), i.as_str())))
+}
+
 pub(super) fn item_cf(train: &[(String, String)]) -> ItemCf {
     ItemCf::new(train.iter().map(|(u, i)| (u.as_str(), i.as_str())))
 }
@@ -847,7 +915,7 @@ fn evaluate(
     text: &ItemText,
     seed: u64,
     fused: Option<&Fitted>,
-    tau: Option<f32>,
+    (tau, rec): (Option<f32>, RecommendParams),
 ) -> Result<Evaluated> {
     let users = &sample.users;
     // STEAM learns from the same interactions as the baselines: the test
@@ -855,7 +923,8 @@ fn evaluate(
     let learners: Vec<User> = users.iter().chain(&sample.others).cloned().collect();
     let states = steam_states(&learners, items, tau)?;
     let cf = item_cf(&sample.train);
-    let rankers = rankers(&states, items, &cf, text, seed, tau);
+    let knn = user_knn(&sample.train);
+    let rankers = rankers(&states, items, (&cf, &knn), text, seed, rec);
     let mut rng = StdRng::seed_from_u64(seed);
     let cands: Vec<Vec<String>> = users
         .iter()
@@ -1041,19 +1110,30 @@ pub(super) fn ablations(tau: Option<f32>) -> [SteamParams; 3] {
     [full, no_mc, no_amu]
 }
 
-/// `recommend` with and without the collaborative terms (w/o CC); with
-/// `tau`, its least cosine for a local memory.
-pub(super) fn recommend_params(tau: Option<f32>) -> (RecommendParams, RecommendParams) {
+/// `recommend`'s parameters: with `tau`, its least cosine for a local
+/// memory; with `scoring`, δ and k_n.
+pub(super) fn recommend_params(tau: Option<f32>, scoring: &Scoring) -> RecommendParams {
     let mut rec = RecommendParams::default();
     if let Some(t) = tau {
         rec.tau = t;
     }
-    let no_cc = RecommendParams {
+    if let Some(w) = scoring.neighbour_weight {
+        rec.neighbour_weight = w;
+    }
+    if let Some(k) = scoring.k_neighbours {
+        rec.k_neighbours = k;
+    }
+    rec
+}
+
+/// `rec` without the collaborative terms: the paper's w/o CC.
+fn without_cc(rec: RecommendParams) -> RecommendParams {
+    RecommendParams {
         collab_weight: 0.0,
         seen_weight: 0.0,
+        neighbour_weight: 0.0,
         ..rec
-    };
-    (rec, no_cc)
+    }
 }
 
 /// The baselines steamrf is compared with: (ranker name, RESULT-line name).
@@ -1145,11 +1225,16 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         e.seeds
     )];
     out.push(format!("  geometry: {}", e.geometry.describe(tau)));
+    let rec = recommend_params(tau, &e.scoring);
+    out.push(format!(
+        "  recommend: neighbours(c) weight δ = {}, k_n = {}",
+        rec.neighbour_weight, rec.k_neighbours
+    ));
 
     let text = item_text(&texts);
     let fitted = match &valid {
         Some(v) => {
-            let f = fit_fused(v, &items, &text, tau)?;
+            let f = fit_fused(v, &items, &text, (tau, rec))?;
             let split = if e.subset.starts_with("ml100k") {
                 "each predicting its second-to-last rating; the last is held out of all training data"
             } else {
@@ -1179,6 +1264,27 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                     path.display()
                 ));
             }
+            let alone: Vec<String> = FUSED_FEATURES
+                .iter()
+                .zip(&f.alone)
+                .map(|(n, x)| format!("{n} {x:.4}"))
+                .collect();
+            out.push(format!(
+                "  each signal alone on the validation split, NDCG@10: {}",
+                alone.join(", ")
+            ));
+            if e.fit_only {
+                out.push(format!(
+                    "RESULT subset={} split=valid steam_ndcg10={:.4} fused_ndcg10={:.4} fused_no_steam_ndcg10={:.4} neighbour_weight={} k_neighbours={}",
+                    e.subset,
+                    f.alone[0],
+                    f.with_steam.ndcg10,
+                    f.without_steam.ndcg10,
+                    rec.neighbour_weight,
+                    rec.k_neighbours
+                ));
+                return Ok(out);
+            }
             Some(f)
         }
         None => None,
@@ -1192,7 +1298,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let mut memories = (0, 0, 0, 0);
     let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
-        let (rows, m) = evaluate(sample, &items, &text, seed, fitted.as_ref(), tau)?;
+        let (rows, m) = evaluate(sample, &items, &text, seed, fitted.as_ref(), (tau, rec))?;
         bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();
@@ -1281,18 +1387,21 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     }
     // What STEAM's share of the fused ranker is worth (paired).
     let no_steam_row = names.iter().position(|n| *n == FUSED_NO_STEAM);
-    let steam_share: Option<Vec<(f64, f64, f64)>> = fused_row.zip(no_steam_row).map(|(f, g)| {
+    // Row `a` − row `b` at each cutoff, paired over users.
+    let paired = |a: usize, b: usize| -> Vec<(f64, f64, f64)> {
         (0..3)
             .map(|m| {
-                let d: Vec<f64> = units[f]
+                let d: Vec<f64> = units[a]
                     .iter()
-                    .zip(&units[g])
-                    .map(|(a, b)| a[m] - b[m])
+                    .zip(&units[b])
+                    .map(|(x, y)| x[m] - y[m])
                     .collect();
                 ci(&d)
             })
             .collect()
-    });
+    };
+    let steam_share: Option<Vec<(f64, f64, f64)>> =
+        fused_row.zip(no_steam_row).map(|(f, g)| paired(f, g));
     if let Some(share) = &steam_share {
         let cells: Vec<String> = share
             .iter()
@@ -1302,6 +1411,16 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
             "| fused − fused w/o STEAM | {} |\n",
             cells.join(" | ")
         ));
+    }
+    // The fused ranker against user-kNN CF, the reference beside the
+    // baselines (paired).
+    let knn_row = names.iter().position(|n| *n == USER_KNN);
+    if let Some((f, k)) = fused_row.zip(knn_row) {
+        let cells: Vec<String> = paired(f, k)
+            .iter()
+            .map(|(d, lo, hi)| format!("{d:+.3} [{lo:+.3}, {hi:+.3}]"))
+            .collect();
+        table.push_str(&format!("| fused − {USER_KNN} | {} |\n", cells.join(" | ")));
     }
     let diffs = against_best(0);
     let headline = [0, 1, 2].map(|m| ci(&column(0, m)));
