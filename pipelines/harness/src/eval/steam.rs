@@ -67,8 +67,8 @@ pub struct SteamEval {
     /// Overrides of `recommend`'s neighbours term (the defaults otherwise).
     pub scoring: Scoring,
     /// Stop after the fused ranker's validation fit (ranking only): print
-    /// each signal's and the fits' validation NDCG@10, never touching the
-    /// test targets. What STEAM's parameters are chosen with.
+    /// each signal's and the fits' validation NDCG@10; no test user is
+    /// scored. What STEAM's parameters are chosen with.
     pub fit_only: bool,
 }
 
@@ -690,10 +690,7 @@ pub(super) fn rankers<'a>(
                 c.iter().map(|i| noise(seed, &u.id, i)).collect()
             }),
         ),
-        (
-            "popularity",
-            Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.popularity(i)).collect()),
-        ),
+        ("popularity", popularity(cf)),
         ("item-item CF", signal(Some(cf), None, 1)),
         ("BM25 (item text)", signal(None, Some(text), 2)),
         (
@@ -704,6 +701,11 @@ pub(super) fn rankers<'a>(
             }),
         ),
     ]
+}
+
+/// Ranks by the candidates' users in the training interactions.
+fn popularity(cf: &ItemCf) -> Ranker<'_> {
+    Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.popularity(i)).collect())
 }
 
 /// The fused ranker's signals alone, in the order of [`FUSED_FEATURES`]:
@@ -719,10 +721,7 @@ fn feature_rankers<'a>(
         (FUSED_FEATURES[0], steam_ranker(state, items, rec)),
         (FUSED_FEATURES[1], signal(Some(cf), None, 1)),
         (FUSED_FEATURES[2], signal(None, Some(text), 2)),
-        (
-            FUSED_FEATURES[3],
-            Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.popularity(i)).collect()),
-        ),
+        (FUSED_FEATURES[3], popularity(cf)),
     ]
 }
 
@@ -889,12 +888,12 @@ fn write_weights(path: &Path, e: &SteamEval, fit: &Fit) -> Result<()> {
     })
 }
 
-/// Users per item from the training interactions.
 /// User-user CF over `train`'s (user, item) pairs.
 pub(super) fn user_knn(train: &[(String, String)]) -> UserKnn {
     UserKnn::new(train.iter().map(|(u, i)| (u.as_str(), i.as_str())))
 }
 
+/// Users per item from the training interactions.
 pub(super) fn item_cf(train: &[(String, String)]) -> ItemCf {
     ItemCf::new(train.iter().map(|(u, i)| (u.as_str(), i.as_str())))
 }
@@ -975,6 +974,14 @@ fn evaluate(
 /// # Errors
 /// Missing data or embedding failures.
 pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
+    if e.fit_only && e.task != "ranking" {
+        return Err(Error::Config {
+            problems: vec![format!(
+                "--fit-only: only the ranking task has a fused ranker to fit (got --task {})",
+                e.task
+            )],
+        });
+    }
     match e.task.as_str() {
         "ranking" => ranking(e).await,
         "simulation" => super::simulate::simulation(e).await,
