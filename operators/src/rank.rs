@@ -247,36 +247,40 @@ fn intersection(x: &[u32], y: &[u32]) -> u32 {
 /// memory embeddings), not a signal of the served ranker.
 #[derive(Debug, Clone, Default)]
 pub struct UserKnn {
-    /// User → its items (numbers), ascending, distinct.
-    items_of: HashMap<Box<str>, Vec<u32>>,
+    /// User id → its number.
+    users: HashMap<Box<str>, u32>,
+    /// User number → its items (numbers), ascending, distinct.
+    items_of: Vec<Vec<u32>>,
     /// Item number → its users, ascending, distinct.
     users_of: Vec<Vec<u32>>,
-    /// User number → its id.
-    ids: Vec<Box<str>>,
     /// Item id → its number.
     numbers: HashMap<Box<str>, u32>,
+}
+
+/// The number of `key` in `map`, assigned in first-seen order.
+fn number_of(map: &mut HashMap<Box<str>, u32>, key: &str) -> u32 {
+    let next = u32::try_from(map.len()).unwrap_or(u32::MAX);
+    *map.entry(key.into()).or_insert(next)
 }
 
 impl UserKnn {
     /// From `(user, item)` pairs; repeated pairs count once.
     pub fn new<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
         let mut me = Self::default();
-        let mut user_number: HashMap<Box<str>, u32> = HashMap::new();
         for (u, i) in pairs {
-            let next = u32::try_from(me.numbers.len()).unwrap_or(u32::MAX);
-            let item = *me.numbers.entry(i.into()).or_insert(next);
-            let next = u32::try_from(me.ids.len()).unwrap_or(u32::MAX);
-            let user = *user_number.entry(u.into()).or_insert_with(|| {
-                me.ids.push(u.into());
-                next
-            });
-            me.items_of.entry(u.into()).or_default().push(item);
-            if me.users_of.len() <= item as usize {
-                me.users_of.resize(item as usize + 1, Vec::new());
+            let user = number_of(&mut me.users, u);
+            let item = number_of(&mut me.numbers, i);
+            for (list, at, v) in [
+                (&mut me.items_of, user, item),
+                (&mut me.users_of, item, user),
+            ] {
+                if list.len() <= at as usize {
+                    list.resize(at as usize + 1, Vec::new());
+                }
+                list[at as usize].push(v);
             }
-            me.users_of[item as usize].push(user);
         }
-        for list in me.items_of.values_mut().chain(me.users_of.iter_mut()) {
+        for list in me.items_of.iter_mut().chain(me.users_of.iter_mut()) {
             list.sort_unstable();
             list.dedup();
         }
@@ -286,9 +290,10 @@ impl UserKnn {
     /// Each candidate's share of the votes of `user`'s `k` nearest users
     /// (0 for a user without items, or a candidate none of them holds).
     pub fn scores(&self, user: &str, candidates: &[&str], k: usize) -> Vec<f64> {
-        let Some(mine) = self.items_of.get(user) else {
+        let Some(&me) = self.users.get(user) else {
             return vec![0.0; candidates.len()];
         };
+        let mine = &self.items_of[me as usize];
         // Co-occurrence with every other user through the shared items.
         let mut co: HashMap<u32, u32> = HashMap::new();
         for &i in mine {
@@ -298,9 +303,9 @@ impl UserKnn {
         }
         let mut near: Vec<(f64, u32)> = co
             .into_iter()
-            .filter(|&(v, _)| *self.ids[v as usize] != *user)
+            .filter(|&(v, _)| v != me)
             .map(|(v, n)| {
-                let theirs = self.items_of[&self.ids[v as usize]].len();
+                let theirs = self.items_of[v as usize].len();
                 (f64::from(n) / ((mine.len() * theirs) as f64).sqrt(), v)
             })
             .collect();

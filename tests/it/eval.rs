@@ -59,16 +59,22 @@ fn write_movielens(dir: &Path) {
     std::fs::write(dir.join("u.data"), data).unwrap();
 }
 
+/// A temporary directory holding [`write_movielens`]'s fixture in `ml/`.
+fn movielens_fixture() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("ml");
+    std::fs::create_dir(&data).unwrap();
+    write_movielens(&data);
+    (dir, data)
+}
+
 /// `steamrf eval steam --task simulation` runs the AFL protocol on a small
 /// MovieLens-shaped fixture: every method learns, the fused agent is fitted
 /// on the calibration users, and the RESULT line carries each ratio's F1
 /// with its interval and the paired difference to the best baseline.
 #[test]
 fn eval_steam_simulation_reports_f1_with_intervals_on_a_small_fixture() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("ml");
-    std::fs::create_dir(&data).unwrap();
-    write_movielens(&data);
+    let (dir, data) = movielens_fixture();
     let out_dir = dir.path().join("results");
     let (text, r) = steamrf_result([
         "eval",
@@ -124,10 +130,7 @@ fn eval_steam_simulation_reports_f1_with_intervals_on_a_small_fixture() {
 /// better than the paper's score (δ = 0), which sees the genre only.
 #[test]
 fn eval_steam_fit_only_scores_the_validation_split_and_the_neighbours_term_helps() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("ml");
-    std::fs::create_dir(&data).unwrap();
-    write_movielens(&data);
+    let (dir, data) = movielens_fixture();
     let out_dir = dir.path().join("results");
     let run = |extra: &[&str]| {
         let mut args = vec![

@@ -703,6 +703,16 @@ pub(super) fn rankers<'a>(
     ]
 }
 
+/// Values in the order of [`FUSED_FEATURES`], each after its signal's name.
+fn named(values: &[f64], decimals: usize) -> String {
+    FUSED_FEATURES
+        .iter()
+        .zip(values)
+        .map(|(f, x)| format!("{f} {x:.decimals$}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Ranks by the candidates' users in the training interactions.
 fn popularity(cf: &ItemCf) -> Ranker<'_> {
     Box::new(|_u: &User, c: &[String]| c.iter().map(|i| cf.popularity(i)).collect())
@@ -829,12 +839,13 @@ pub(super) fn fit_fused(
     let scores = score_all(&rankers, &valid.users, &cands);
     let names: Vec<&str> = rankers.iter().map(|r| r.0).collect();
     let rows = feature_rows(&names)?;
-    let queries = |from: usize| -> Vec<fuse::Query> {
+    // The fit's queries over the feature columns `cols`.
+    let queries = |cols: std::ops::Range<usize>| -> Vec<fuse::Query> {
         (0..valid.users.len())
             .map(|u| fuse::Query {
                 scores: features_of(&scores, &rows, u)
                     .into_iter()
-                    .map(|f| f[from..].to_vec())
+                    .map(|f| f[cols.clone()].to_vec())
                     .collect(),
                 target: cands[u].len() - 1,
             })
@@ -843,19 +854,10 @@ pub(super) fn fit_fused(
     // Each signal alone on the validation split (what a choice of STEAM's
     // parameters is read from: `--fit-only`).
     let alone: Vec<f64> = (0..4)
-        .map(|col| {
-            let q: Vec<fuse::Query> = queries(col)
-                .into_iter()
-                .map(|mut q| {
-                    q.scores.iter_mut().for_each(|row| row.truncate(1));
-                    q
-                })
-                .collect();
-            fuse::fit(&q, 1, 10).ndcg10
-        })
+        .map(|col| fuse::fit(&queries(col..col + 1), 1, 10).ndcg10)
         .collect();
-    let with_steam = fuse::fit(&queries(0), 4, 10);
-    let mut without_steam = fuse::fit(&queries(1), 3, 10);
+    let with_steam = fuse::fit(&queries(0..4), 4, 10);
+    let mut without_steam = fuse::fit(&queries(1..4), 3, 10);
     without_steam.weights.insert(0, 0.0);
     Ok(Fitted {
         with_steam,
@@ -1251,15 +1253,10 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                 (&f.with_steam, "fused ranker"),
                 (&f.without_steam, "fused ranker w/o STEAM"),
             ] {
-                let weights: Vec<String> = FUSED_FEATURES
-                    .iter()
-                    .zip(&fit.weights)
-                    .map(|(f, w)| format!("{f} {w:.1}"))
-                    .collect();
                 out.push(format!(
                     "  {what} fitted on the validation split ({} users, {split}): weights {}; validation NDCG@10 {:.4} ({} grid points)",
                     v.users.len(),
-                    weights.join(", "),
+                    named(&fit.weights, 1),
                     fit.ndcg10,
                     fit.tried
                 ));
@@ -1271,14 +1268,9 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
                     path.display()
                 ));
             }
-            let alone: Vec<String> = FUSED_FEATURES
-                .iter()
-                .zip(&f.alone)
-                .map(|(n, x)| format!("{n} {x:.4}"))
-                .collect();
             out.push(format!(
                 "  each signal alone on the validation split, NDCG@10: {}",
-                alone.join(", ")
+                named(&f.alone, 4)
             ));
             if e.fit_only {
                 out.push(format!(
@@ -1357,6 +1349,18 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         .map(|(i, _)| i)
         .collect();
     // Method `ri` against the best baseline at each cutoff (paired CIs).
+    // Row `a` − row `b` at cutoff `m`, paired over users.
+    let paired_at = |a: usize, b: usize, m: usize| {
+        let d: Vec<f64> = units[a]
+            .iter()
+            .zip(&units[b])
+            .map(|(x, y)| x[m] - y[m])
+            .collect();
+        ci(&d)
+    };
+    let paired = |a: usize, b: usize| -> Vec<(f64, f64, f64)> {
+        (0..3).map(|m| paired_at(a, b, m)).collect()
+    };
     let against_best = |ri: usize| {
         let mut diffs = Vec::new();
         for m in 0..3 {
@@ -1366,12 +1370,7 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
             else {
                 continue;
             };
-            let d: Vec<f64> = units[ri]
-                .iter()
-                .zip(&units[best])
-                .map(|(s, b)| s[m] - b[m])
-                .collect();
-            diffs.push((best, ci(&d)));
+            diffs.push((best, paired_at(ri, best, m)));
         }
         diffs
     };
@@ -1394,19 +1393,6 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     }
     // What STEAM's share of the fused ranker is worth (paired).
     let no_steam_row = names.iter().position(|n| *n == FUSED_NO_STEAM);
-    // Row `a` − row `b` at each cutoff, paired over users.
-    let paired = |a: usize, b: usize| -> Vec<(f64, f64, f64)> {
-        (0..3)
-            .map(|m| {
-                let d: Vec<f64> = units[a]
-                    .iter()
-                    .zip(&units[b])
-                    .map(|(x, y)| x[m] - y[m])
-                    .collect();
-                ci(&d)
-            })
-            .collect()
-    };
     let steam_share: Option<Vec<(f64, f64, f64)>> =
         fused_row.zip(no_steam_row).map(|(f, g)| paired(f, g));
     if let Some(share) = &steam_share {
