@@ -18,7 +18,10 @@
 //! The same search fits a yes/no decision ([`fit_decision`]): the weights
 //! and a threshold on the fused score that give the best micro F1 over
 //! labelled slates (the user simulation, where an agent answers yes or no
-//! to each of the items it is shown).
+//! to each of the items it is shown). [`fit_pooled_decision`] fits the same
+//! decision on scores standardised once over every calibration item instead
+//! of over each slate, so that an item's answer does not depend on the
+//! items shown beside it.
 
 /// One query of a validation split: per candidate the score of every
 /// ranker (`scores[candidate][ranker]`), and which candidate is relevant.
@@ -33,13 +36,21 @@ pub struct Query {
 /// `xs` as z-scores (mean 0, standard deviation 1); all zeros when every
 /// value is the same.
 pub fn standardise(xs: &[f64]) -> Vec<f64> {
+    let (mean, sd) = mean_sd(xs);
+    xs.iter().map(|&x| z(x, mean, sd)).collect()
+}
+
+/// The mean and (population) standard deviation of `xs`.
+fn mean_sd(xs: &[f64]) -> (f64, f64) {
     let n = xs.len().max(1) as f64;
     let mean = xs.iter().sum::<f64>() / n;
     let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
-    if sd < 1e-12 {
-        return vec![0.0; xs.len()];
-    }
-    xs.iter().map(|x| (x - mean) / sd).collect()
+    (mean, sd)
+}
+
+/// `x` as a z-score under `mean` and `sd`; 0 when there is no spread.
+fn z(x: f64, mean: f64, sd: f64) -> f64 {
+    if sd < 1e-12 { 0.0 } else { (x - mean) / sd }
 }
 
 /// The fused score of each candidate: `Σ_r weights[r] · z_r(candidate)`,
@@ -244,6 +255,66 @@ pub fn fit_decision(slates: &[Slate], rankers: usize, steps: usize) -> Decision 
     }
 }
 
+/// A yes/no decision on scores standardised over a fixed population, the
+/// calibration items, instead of over each slate.
+///
+/// Standardising over a slate makes the answers depend on the slate: a
+/// threshold on slate z-scores says yes to about the same share of every
+/// slate, whatever share of it is the user's. An agent that is not told the
+/// ratio of positives (the user simulation) should answer each item on its
+/// own; here each ranker's scores are put on one scale by the mean and
+/// standard deviation of its scores over every calibration item, and the
+/// weights and threshold are fitted on that scale.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PooledDecision {
+    /// The weights and the threshold on the pooled scale.
+    pub decision: Decision,
+    /// Per ranker: the mean of its scores over the calibration items.
+    pub mean: Vec<f64>,
+    /// Per ranker: their (population) standard deviation.
+    pub sd: Vec<f64>,
+}
+
+impl PooledDecision {
+    /// The fused score of one item (`scores[ranker]`) on the pooled scale.
+    ///
+    /// # Panics
+    /// If the item has fewer scores than there are weights.
+    pub fn score(&self, scores: &[f64]) -> f64 {
+        let mut out = 0.0;
+        for (r, &w) in self.decision.weights.iter().enumerate() {
+            out += w * z(scores[r], self.mean[r], self.sd[r]);
+        }
+        out
+    }
+
+    /// Whether the agent says yes to one item (`scores[ranker]`).
+    pub fn says_yes(&self, scores: &[f64]) -> bool {
+        self.score(scores) >= self.decision.threshold
+    }
+}
+
+/// [`fit_decision`] on every item of `slates` taken as one population: each
+/// ranker standardised by its mean and spread over all of them, then the
+/// weights and threshold with the best micro F1 (see [`PooledDecision`]).
+///
+/// # Panics
+/// If `rankers` is 0.
+pub fn fit_pooled_decision(slates: &[Slate], rankers: usize, steps: usize) -> PooledDecision {
+    let pool = Slate {
+        scores: slates.iter().flat_map(|s| s.scores.clone()).collect(),
+        positive: slates.iter().flat_map(|s| s.positive.clone()).collect(),
+    };
+    let (mean, sd) = (0..rankers)
+        .map(|r| mean_sd(&pool.scores.iter().map(|x| x[r]).collect::<Vec<_>>()))
+        .unzip();
+    PooledDecision {
+        decision: fit_decision(std::slice::from_ref(&pool), rankers, steps),
+        mean,
+        sd,
+    }
+}
+
 /// Calls `f` with every way of writing `left` as `point.len() - at`
 /// non-negative parts (in lexicographic order, the first part largest first).
 fn compositions(left: usize, at: usize, point: &mut Vec<usize>, f: &mut impl FnMut(&[usize])) {
@@ -371,6 +442,48 @@ mod tests {
             let yes: Vec<bool> = fused.iter().map(|&x| x >= d.threshold).collect();
             assert_eq!(yes, s.positive);
         }
+    }
+
+    #[test]
+    fn a_pooled_decision_answers_each_item_whatever_is_shown_beside_it() {
+        // Calibration at 1:1: ranker 0 scores the user's items about 1 above
+        // the rest, ranker 1 is noise.
+        let item =
+            |p: bool, k: usize| vec![f64::from(u8::from(p)) + 0.01 * k as f64, (k % 3) as f64];
+        let calibration: Vec<Slate> = (0..10)
+            .map(|i| {
+                let positive: Vec<bool> = (0..20).map(|k| (k + i) % 2 == 0).collect();
+                let scores = positive
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &p)| item(p, k))
+                    .collect();
+                Slate { scores, positive }
+            })
+            .collect();
+        let d = fit_pooled_decision(&calibration, 2, 10);
+        assert_eq!(d.decision.f1, 1.0, "{d:?}");
+        // The fitted F1 is the F1 of `says_yes` on the calibration items.
+        let right = calibration
+            .iter()
+            .flat_map(|s| s.scores.iter().zip(&s.positive))
+            .all(|(x, &p)| d.says_yes(x) == p);
+        assert!(right);
+        // At 1:9 every item still gets the same answer: two of the user's
+        // items among eighteen others.
+        let positive: Vec<bool> = (0..20).map(|k| k < 2).collect();
+        let scores: Vec<Vec<f64>> = positive
+            .iter()
+            .enumerate()
+            .map(|(k, &p)| item(p, k))
+            .collect();
+        let yes: Vec<bool> = scores.iter().map(|x| d.says_yes(x)).collect();
+        assert_eq!(yes, positive);
+        // Slate z-scores of the same 1:9 slate move every item's score: the
+        // user's items end far above the calibration threshold, the others
+        // below 0 although their raw scores did not change.
+        let slate = fuse(&[1.0, 0.0], &scores);
+        assert!(slate[0] > 2.5 && slate[5] < 0.0, "{slate:?}");
     }
 
     #[test]

@@ -9,8 +9,13 @@
 //!   method's score reaches a threshold. That threshold is the one that
 //!   maximises F1 at 1:1 on 100 *other* users (calibration users, drawn with
 //!   the same seed), and is then used unchanged at every ratio: like the LLM
-//!   agent, it is not told the ratio. The fused agent ([`fuse::fit_decision`])
-//!   fits its weights and threshold together on the same calibration users.
+//!   agent, it is not told the ratio. The fused agent
+//!   ([`fuse::fit_pooled_decision`]) fits its weights and threshold together
+//!   on the same calibration users, on each signal standardised over every
+//!   calibration item, so that an item's answer does not depend on the
+//!   items shown with it. Stop 36's agent standardised over each slate,
+//!   which says yes to about the same share of every slate and fell at 1:9;
+//!   it stays as a row.
 //!   Every method learns from the same interactions: all users' ratings but
 //!   the sampled users' held-out ones (STEAM's state holds every user, as
 //!   popularity and item-item CF count every user). Precision and F1 are
@@ -170,10 +175,14 @@ type Counts = [[usize; 3]; 3];
 /// Per method, each test user's counts (by user id).
 type SeedRun = Vec<(&'static str, Vec<(String, Counts)>)>;
 
-/// The fused agent's row name.
+/// The fused agent's row name (the declared headline): signals
+/// standardised over the calibration items.
 const FUSED: &str = "steamrf fused (fit on the calibration users)";
 /// The same fit with STEAM's weight held at 0.
 const FUSED_NO_STEAM: &str = "fused w/o STEAM (CF + BM25 + popularity)";
+/// Stop 36's fused agent: the same four signals standardised over each
+/// slate.
+const FUSED_SLATE: &str = "steamrf fused, z over the slate (stop 36's agent)";
 
 /// Each of the fused agent's signals alone, standardised over its slate as
 /// the fused agent's are (the agent sees its 20 items together): what the
@@ -222,15 +231,23 @@ fn tally(s: &SimSample, yes: &[Vec<Vec<bool>>]) -> Vec<(String, Counts)> {
         .collect()
 }
 
+/// The fused agents fitted on one seed's calibration users, for the report.
+struct Fitted {
+    /// The declared agent, with STEAM and without.
+    pooled: [fuse::PooledDecision; 2],
+    /// Stop 36's agent (z over the slate).
+    slate: fuse::Decision,
+}
+
 /// Every method's answers for the test users of one seed, and the fused
-/// agent's fitted weights (with STEAM, without) for the report.
+/// agents' fitted weights for the report.
 fn simulate_one(
     s: &SimSample,
     items: &Items,
     text: &ItemText,
     (seed, tau, rec): (u64, Option<f32>, RecommendParams),
     bar: &indicatif::ProgressBar,
-) -> Result<(SeedRun, [fuse::Decision; 2])> {
+) -> Result<(SeedRun, Fitted)> {
     // STEAM learns from the same interactions as the baselines.
     let learners: Vec<User> = s.users.iter().chain(&s.others).cloned().collect();
     let states = steam_states(&learners, items, tau)?;
@@ -297,9 +314,12 @@ fn simulate_one(
             .collect()
     };
     let calibration = slates(0);
-    let with_steam = fuse::fit_decision(&calibration, 4, 10);
-    let mut without_steam = fuse::fit_decision(&slates(1), 3, 10);
-    without_steam.weights.insert(0, 0.0);
+    let with_steam = fuse::fit_pooled_decision(&calibration, 4, 10);
+    let mut without_steam = fuse::fit_pooled_decision(&slates(1), 3, 10);
+    without_steam.decision.weights.insert(0, 0.0);
+    without_steam.mean.insert(0, 0.0);
+    without_steam.sd.insert(0, 0.0);
+    let over_slate = fuse::fit_decision(&calibration, 4, 10);
     let alone: Vec<fuse::Decision> = (0..4)
         .map(|k| {
             let one: Vec<Slate> = calibration
@@ -317,7 +337,7 @@ fn simulate_one(
     let decisions = alone
         .iter()
         .zip(SLATE_Z)
-        .chain([(&with_steam, FUSED), (&without_steam, FUSED_NO_STEAM)]);
+        .chain([(&over_slate, FUSED_SLATE)]);
     for (d, name) in decisions {
         let yes: Vec<Vec<Vec<bool>>> = features
             .iter()
@@ -335,12 +355,29 @@ fn simulate_one(
             .collect();
         out.push((name, tally(s, &yes)));
     }
+    for (d, name) in [(&with_steam, FUSED), (&without_steam, FUSED_NO_STEAM)] {
+        let yes: Vec<Vec<Vec<bool>>> = features
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|f| f.iter().map(|x| d.says_yes(x)).collect())
+                    .collect()
+            })
+            .collect();
+        out.push((name, tally(s, &yes)));
+    }
     let mut all_yes = Vec::new();
     for cases in &s.cases {
         all_yes.push(cases.iter().map(|c| vec![true; c.items.len()]).collect());
     }
     out.push(("always yes", tally(s, &all_yes)));
-    Ok((out, [with_steam, without_steam]))
+    Ok((
+        out,
+        Fitted {
+            pooled: [with_steam, without_steam],
+            slate: over_slate,
+        },
+    ))
 }
 
 /// `sum += c`, element by element.
@@ -475,6 +512,14 @@ fn summarise(per_seed: &[SeedRun], header: &str) -> Summary {
     }
     if let (Some(a), Some(b)) = (at(FUSED), at(FUSED_NO_STEAM)) {
         pairs.push(("fused − fused w/o STEAM".to_owned(), a, [b; 3], false));
+    }
+    if let (Some(a), Some(b)) = (at(FUSED), at(FUSED_SLATE)) {
+        pairs.push((
+            "fused − fused z over the slate".to_owned(),
+            a,
+            [b; 3],
+            false,
+        ));
     }
     table.push_str("\nPaired differences of F1 (the same resampled users for both):\n\n| difference | 1:1 | 1:3 | 1:9 |\n| --- | ---: | ---: | ---: |\n");
     for (label, a, against, name_them) in pairs {
@@ -641,9 +686,14 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
         super::BOOTSTRAP_RESAMPLES,
     );
     let mut summary = summarise(&per_seed, &header);
-    summary.table.push_str("\nFused agent, fitted per seed on its calibration users (weights STEAM, item-item CF, BM25, popularity; threshold on the fused z-score; calibration F1 at 1:1):\n\n");
-    for (seed, [with, without]) in &fitted {
-        for (name, d) in [("with STEAM", with), ("w/o STEAM", without)] {
+    summary.table.push_str("\nFused agents, fitted per seed on its calibration users (weights STEAM, item-item CF, BM25, popularity; threshold on the fused score; calibration F1 at 1:1). The declared agent standardises each signal over every calibration item; stop 36's over each slate:\n\n");
+    for (seed, f) in &fitted {
+        let [with, without] = &f.pooled;
+        for (name, d) in [
+            ("with STEAM", &with.decision),
+            ("w/o STEAM", &without.decision),
+            ("z over the slate", &f.slate),
+        ] {
             summary.table.push_str(&format!(
                 "- seed {seed}, {name}: weights {:?}, threshold {:.3}, calibration F1 {:.3}\n",
                 d.weights, d.threshold, d.f1
