@@ -319,6 +319,7 @@ fn recommend_batched(
         }
     }
     let mut collab: Vec<Vec<Hit>> = vec![Vec::new(); candidates.len()];
+    let mut voters = Neighbours::default();
     for (reached, members_of) in &groups {
         // The other users' memories of those prototypes, by id (the
         // tie-break of `recommend_each`), each through the first prototype
@@ -352,6 +353,41 @@ fn recommend_batched(
             .flat_map(|&c| candidates[c].1.iter().copied())
             .collect();
         let found = kernel.top_k(&q, &corpus, &SearchParams::top(p.k_collab))?;
+        // neighbours(c) of the group's matched memories on the same corpus,
+        // in one call, where it is exactly their community's other users'
+        // memories: the group reaches one community, theirs (k2 = 1 always).
+        // Anything else is drawn one memory at a time by `voters`.
+        if let [community] = reached.as_slice()
+            && p.neighbour_weight != 0.0
+            && p.k_neighbours > 0
+        {
+            let mut matched: Vec<&Memory> = members_of
+                .iter()
+                .filter_map(|&c| local[c].first().map(|&(m, _)| &user.memories[m]))
+                .filter(|m| view.community_of(m.id) == Some(*community))
+                .filter(|m| !voters.votes.contains_key(&m.id))
+                .collect();
+            matched.sort_unstable_by_key(|m| m.id);
+            matched.dedup_by_key(|m| m.id);
+            if !matched.is_empty() {
+                let q: Vec<f32> = matched
+                    .iter()
+                    .flat_map(|m| m.embedding.iter().copied())
+                    .collect();
+                let params = SearchParams {
+                    k: p.k_neighbours,
+                    min_score: f32::MIN_POSITIVE,
+                    exclude: None,
+                };
+                for (m, hits) in matched.iter().zip(kernel.top_k(&q, &corpus, &params)?) {
+                    let near = hits
+                        .iter()
+                        .filter(|h| h.score > 0.0)
+                        .map(|h| (h.score, members[h.index as usize].1.0));
+                    voters.votes.insert(m.id, votes_of(near));
+                }
+            }
+        }
         for (&c, hits) in members_of.iter().zip(found) {
             collab[c] = hits
                 .into_iter()
@@ -368,7 +404,6 @@ fn recommend_batched(
         }
     }
     let mut items_of: HashMap<MemoryId, HashSet<&str>> = HashMap::new();
-    let mut voters = Neighbours::default();
     let mut out: Vec<(usize, Ranked)> = Vec::with_capacity(candidates.len());
     for (i, (item, _)) in candidates.iter().enumerate() {
         let l = local[i].first();
@@ -442,9 +477,8 @@ impl<'a> Neighbours<'a> {
 /// (cosine > 0; ties by id) and, per item they hold, its share of their
 /// summed similarity.
 fn neighbour_votes<'a>(view: &'a impl MemoryView, m: &Memory, k: usize) -> HashMap<&'a str, f32> {
-    let mut votes = HashMap::new();
     let Some(proto) = view.community_of(m.id).and_then(|c| view.prototype(c)) else {
-        return votes;
+        return HashMap::new();
     };
     let mut near: Vec<(f32, MemoryId, &Memory)> = proto
         .members
@@ -456,8 +490,15 @@ fn neighbour_votes<'a>(view: &'a impl MemoryView, m: &Memory, k: usize) -> HashM
         .collect();
     near.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     near.truncate(k);
-    let total: f32 = near.iter().map(|(s, _, _)| s).sum();
-    for (s, _, o) in near {
+    votes_of(near.into_iter().map(|(s, _, o)| (s, o)))
+}
+
+/// Per item held by the `near` memories (cosine, memory), its share of
+/// their summed cosine.
+fn votes_of<'a>(near: impl Iterator<Item = (f32, &'a Memory)> + Clone) -> HashMap<&'a str, f32> {
+    let total: f32 = near.clone().map(|(s, _)| s).sum();
+    let mut votes = HashMap::new();
+    for (s, o) in near {
         for item in &o.items {
             *votes.entry(item.as_str()).or_insert(0.0) += s / total;
         }
