@@ -44,8 +44,9 @@ use rand::{SeedableRng, rngs::StdRng};
 use super::plot::{self, Series};
 use super::steam::{
     Catalogue, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue, embed_items,
-    feature_rows, features_of, histories, item_cf, item_text, mean_sd, ml_sample, movielens,
-    negative_pool, others_of, rankers, recommend_params, steam_states, unseen, user_knn, users,
+    feature_rows, features_of, histories, item_cf, item_text, mean_sd, ml_items, ml_sample,
+    movielens, negative_pool, others_of, rankers, recommend_params, steam_states, unseen, user_knn,
+    users,
 };
 use steamrf_operators::fuse::{self, Slate};
 use steamrf_operators::rank::ItemText;
@@ -656,6 +657,7 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
         })
         .collect();
     let catalogue: Catalogue = (meta, ML_TEMPLATE);
+    let needed = needed.into_iter().chain(ml_items(&catalogue)).collect();
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let rec = recommend_params(tau, &e.scoring);
     let text = item_text(&texts);
@@ -906,7 +908,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
         }
         other => return Err(bad(format!("unknown subset {other:?}"))),
     };
-    let needed: Vec<String> = runs
+    let mut needed: Vec<String> = runs
         .iter()
         .flat_map(|(us, pool, _, _)| {
             pool.iter()
@@ -914,6 +916,9 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
                 .chain(us.iter().flat_map(|u| u.history.iter().cloned()))
         })
         .collect();
+    if e.subset.starts_with("ml100k") {
+        needed.extend(ml_items(&catalogue));
+    }
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let rec = recommend_params(tau, &e.scoring);
     let text = item_text(&texts);

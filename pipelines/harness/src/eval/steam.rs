@@ -997,6 +997,16 @@ pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
 /// Item id → (title, category), and the text template of a data set.
 pub(super) type Catalogue = (HashMap<String, (String, String)>, &'static str);
 
+/// The items an ML-100K run embeds: the whole catalogue (1,682 movies),
+/// whatever users the seeds draw. The mean-centring of the item vectors, the
+/// τ quantile and BM25's idf are then the same for every choice of seeds,
+/// and every user STEAM learns from keeps its whole history (an item
+/// without a vector is dropped from STEAM's events, while item-item CF
+/// would still count it).
+pub(super) fn ml_items(catalogue: &Catalogue) -> impl Iterator<Item = String> + '_ {
+    catalogue.0.keys().cloned()
+}
+
 /// The AgentCF CDs items (`CDs.item`) and their text template.
 pub(super) fn cds_catalogue(data: &Path) -> Result<Catalogue> {
     let mut meta = HashMap::new();
@@ -1224,6 +1234,9 @@ async fn ranking(e: SteamEval) -> Result<Vec<String>> {
         for u in s.users.iter().chain(&s.others) {
             needed.extend(u.history.iter().cloned());
         }
+    }
+    if e.subset.starts_with("ml100k") {
+        needed.extend(ml_items(&catalogue));
     }
     let (items, texts, took, tau) = embed_items(&e.embed, &catalogue, needed, &e.geometry).await?;
     let mut out = vec![format!(
