@@ -117,9 +117,14 @@ fn eval_steam_simulation_reports_f1_with_intervals_on_a_small_fixture() {
         "steamrf (STEAM)",
         "fused w/o STEAM",
         "popularity, z over the slate",
+        "steamrf fused, z over the slate",
+        "fused − fused z over the slate",
     ] {
         assert!(table.contains(row), "{row}: {table}");
     }
+    // The whole catalogue is embedded, whatever users the seed draws (every
+    // other user's history is learnt from whole).
+    assert!(text.contains("(400 items embedded"), "{text}");
 }
 
 /// `steamrf eval steam --fit-only` scores the validation split alone and
@@ -127,7 +132,9 @@ fn eval_steam_simulation_reports_f1_with_intervals_on_a_small_fixture() {
 /// without STEAM, so it is never below it. On the fixture, where a user's
 /// genre and the popular movies in it are all there is to learn, the votes
 /// of the users most like this one (neighbours(c), δ = 10 by default) rank
-/// better than the paper's score (δ = 0), which sees the genre only.
+/// better than the paper's score (δ = 0), which sees the genre only. The
+/// run embeds the whole catalogue, so BM25's index and the geometry do not
+/// depend on the seeds.
 #[test]
 fn eval_steam_fit_only_scores_the_validation_split_and_the_neighbours_term_helps() {
     let (dir, data) = movielens_fixture();
@@ -151,6 +158,7 @@ fn eval_steam_fit_only_scores_the_validation_split_and_the_neighbours_term_helps
     };
     let (text, with) = run(&[]);
     assert!(text.contains("split=valid"), "{text}");
+    assert!(text.contains(", 400 items embedded"), "{text}");
     assert!(!text.contains("| method |"), "no test table: {text}");
     for k in ["steam_ndcg10", "fused_ndcg10", "fused_no_steam_ndcg10"] {
         assert!(with[k] > 0.0 && with[k] <= 1.0, "{k}: {text}");
