@@ -242,8 +242,10 @@ pub fn retrieve(
 /// Batched: the candidates are scored against the user's memories in one
 /// kernel call, then against the members of the published prototypes they
 /// reach in one call per reached set of communities (with k2 = 1, one per
-/// community), instead of one local-to-global retrieval per candidate. The
-/// result is [`recommend_each`]'s, up to float rounding in the scores.
+/// community), instead of one local-to-global retrieval per candidate; the
+/// matched memories' neighbours(c) are drawn from the same members in one
+/// more call. The result is [`recommend_each`]'s, up to float rounding in
+/// the scores.
 pub fn recommend(
     view: &impl MemoryView,
     user_id: &str,
