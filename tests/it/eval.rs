@@ -68,6 +68,29 @@ fn movielens_fixture() -> (tempfile::TempDir, std::path::PathBuf) {
     (dir, data)
 }
 
+/// `steamrf eval steam --subset ml100k-catalogue --seeds 1` on the fixture
+/// in `data`, with `extra` arguments: its output and `RESULT` values.
+fn eval_steam_on_fixture(
+    data: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> (String, std::collections::HashMap<String, f64>) {
+    let mut args = vec![
+        "eval",
+        "steam",
+        "--subset",
+        "ml100k-catalogue",
+        "--seeds",
+        "1",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    steamrf_result(args)
+}
+
 /// `steamrf eval steam --task simulation` runs the AFL protocol on a small
 /// MovieLens-shaped fixture: every method learns, the fused agent is fitted
 /// on the calibration users, and the RESULT line carries each ratio's F1
@@ -76,20 +99,7 @@ fn movielens_fixture() -> (tempfile::TempDir, std::path::PathBuf) {
 fn eval_steam_simulation_reports_f1_with_intervals_on_a_small_fixture() {
     let (dir, data) = movielens_fixture();
     let out_dir = dir.path().join("results");
-    let (text, r) = steamrf_result([
-        "eval",
-        "steam",
-        "--task",
-        "simulation",
-        "--subset",
-        "ml100k-catalogue",
-        "--seeds",
-        "1",
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
+    let (text, r) = eval_steam_on_fixture(&data, &out_dir, &["--task", "simulation"]);
     for m in [1, 3, 9] {
         let f1 = r[&format!("f1_1_{m}")];
         let (lo, hi) = (
@@ -140,21 +150,9 @@ fn eval_steam_fit_only_scores_the_validation_split_and_the_neighbours_term_helps
     let (dir, data) = movielens_fixture();
     let out_dir = dir.path().join("results");
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "eval",
-            "steam",
-            "--subset",
-            "ml100k-catalogue",
-            "--fit-only",
-            "--seeds",
-            "1",
-            "--data",
-            data.to_str().unwrap(),
-            "--out",
-            out_dir.to_str().unwrap(),
-        ];
+        let mut args = vec!["--fit-only"];
         args.extend_from_slice(extra);
-        steamrf_result(args)
+        eval_steam_on_fixture(&data, &out_dir, &args)
     };
     let (text, with) = run(&[]);
     assert!(text.contains("split=valid"), "{text}");

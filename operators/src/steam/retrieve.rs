@@ -34,6 +34,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
+
 use super::memory::{Memory, UserMemories, dot};
 use super::{MemoryId, Prototype, SteamState};
 
@@ -113,6 +115,13 @@ impl Default for RecommendParams {
             neighbour_weight: 10.0,
             k_neighbours: 20,
         }
+    }
+}
+
+impl RecommendParams {
+    /// Whether neighbours(c) counts (δ ≠ 0 and k_n > 0), so is drawn at all.
+    fn draws_neighbours(&self) -> bool {
+        self.neighbour_weight != 0.0 && self.k_neighbours > 0
     }
 }
 
@@ -263,7 +272,6 @@ fn recommend_batched(
     p: &RecommendParams,
 ) -> Result<Vec<Ranked>, steamrf_kernels::Error> {
     use steamrf_kernels::cpu::CpuKernel;
-    use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
 
     let Some(user) = view.user(user_id).filter(|u| !u.memories.is_empty()) else {
         return Ok(recommend_each(view, user_id, candidates, p));
@@ -342,7 +350,7 @@ fn recommend_batched(
         if members.is_empty() {
             continue;
         }
-        let members: Vec<(MemoryId, (&Memory, MemoryId))> = members.into_iter().collect();
+        let members: Vec<Member<'_>> = members.into_iter().collect();
         let corpus = Corpus::from_vec(
             members
                 .iter()
@@ -360,35 +368,13 @@ fn recommend_batched(
         // memories: the group reaches one community, theirs (k2 = 1 always).
         // Anything else is drawn one memory at a time by `voters`.
         if let [community] = reached.as_slice()
-            && p.neighbour_weight != 0.0
-            && p.k_neighbours > 0
+            && p.draws_neighbours()
         {
-            let mut matched: Vec<&Memory> = members_of
+            let matched = members_of
                 .iter()
                 .filter_map(|&c| local[c].first().map(|&(m, _)| &user.memories[m]))
-                .filter(|m| view.community_of(m.id) == Some(*community))
-                .filter(|m| !voters.votes.contains_key(&m.id))
-                .collect();
-            matched.sort_unstable_by_key(|m| m.id);
-            matched.dedup_by_key(|m| m.id);
-            if !matched.is_empty() {
-                let q: Vec<f32> = matched
-                    .iter()
-                    .flat_map(|m| m.embedding.iter().copied())
-                    .collect();
-                let params = SearchParams {
-                    k: p.k_neighbours,
-                    min_score: f32::MIN_POSITIVE,
-                    exclude: None,
-                };
-                for (m, hits) in matched.iter().zip(kernel.top_k(&q, &corpus, &params)?) {
-                    let near = hits
-                        .iter()
-                        .filter(|h| h.score > 0.0)
-                        .map(|h| (h.score, members[h.index as usize].1.0));
-                    voters.votes.insert(m.id, votes_of(near));
-                }
-            }
+                .filter(|m| view.community_of(m.id) == Some(*community));
+            voters.draw(&kernel, (&corpus, &members), matched, p.k_neighbours)?;
         }
         for (&c, hits) in members_of.iter().zip(found) {
             collab[c] = hits
@@ -447,6 +433,10 @@ fn per_item(view: &impl MemoryView, m: &Memory, c: &[f32], centroid: f32, w: f32
     }
 }
 
+/// A community member other than the asking user's: its id, the memory,
+/// and the prototype it was reached through.
+type Member<'a> = (MemoryId, (&'a Memory, MemoryId));
+
 /// neighbours(c) of the memories matched so far, each drawn once per
 /// request: matched memory → (item → its share of the neighbours' votes).
 #[derive(Default)]
@@ -455,6 +445,43 @@ struct Neighbours<'a> {
 }
 
 impl<'a> Neighbours<'a> {
+    /// Draws the votes of the `matched` memories not drawn yet in one kernel
+    /// call over `corpus`, whose rows are `members` (by id: the tie-break of
+    /// [`neighbour_votes`]): every other user's memory of their community.
+    fn draw<'m>(
+        &mut self,
+        kernel: &impl SimilarityKernel,
+        (corpus, members): (&Corpus, &[Member<'a>]),
+        matched: impl Iterator<Item = &'m Memory>,
+        k: usize,
+    ) -> Result<(), steamrf_kernels::Error> {
+        let mut matched: Vec<&Memory> = matched
+            .filter(|m| !self.votes.contains_key(&m.id))
+            .collect();
+        matched.sort_unstable_by_key(|m| m.id);
+        matched.dedup_by_key(|m| m.id);
+        if matched.is_empty() {
+            return Ok(());
+        }
+        let q: Vec<f32> = matched
+            .iter()
+            .flat_map(|m| m.embedding.iter().copied())
+            .collect();
+        let params = SearchParams {
+            k,
+            min_score: f32::MIN_POSITIVE,
+            exclude: None,
+        };
+        for (m, hits) in matched.iter().zip(kernel.top_k(&q, corpus, &params)?) {
+            let near = hits
+                .iter()
+                .filter(|h| h.score > 0.0)
+                .map(|h| (h.score, members[h.index as usize].1.0));
+            self.votes.insert(m.id, votes_of(near));
+        }
+        Ok(())
+    }
+
     /// neighbours(`item`) through `matched` (0 without one, or with δ = 0).
     fn of(
         &mut self,
@@ -463,7 +490,7 @@ impl<'a> Neighbours<'a> {
         item: &str,
         p: &RecommendParams,
     ) -> f32 {
-        let Some(m) = matched.filter(|_| p.neighbour_weight != 0.0 && p.k_neighbours > 0) else {
+        let Some(m) = matched.filter(|_| p.draws_neighbours()) else {
             return 0.0;
         };
         self.votes

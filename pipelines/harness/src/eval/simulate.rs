@@ -240,6 +240,15 @@ struct Fitted {
     slate: fuse::Decision,
 }
 
+/// An agent's answers `[ratio][case][item]` from what it reads per case
+/// (`per_case[ratio][case]`: its items' scores or features).
+fn answers<C>(per_case: &[Vec<C>], decide: impl Fn(&C) -> Vec<bool>) -> Vec<Vec<Vec<bool>>> {
+    per_case
+        .iter()
+        .map(|r| r.iter().map(&decide).collect())
+        .collect()
+}
+
 /// Every method's answers for the test users of one seed, and the fused
 /// agents' fitted weights for the report.
 fn simulate_one(
@@ -279,14 +288,7 @@ fn simulate_one(
             .flat_map(|(c, x)| x.iter().copied().zip(c.positive.iter().copied()))
             .collect();
         let (t, _) = fuse::best_threshold(calibration);
-        let yes: Vec<Vec<Vec<bool>>> = sc
-            .iter()
-            .map(|r| {
-                r.iter()
-                    .map(|x| x.iter().map(|&v| v >= t).collect())
-                    .collect()
-            })
-            .collect();
+        let yes = answers(sc, |x| x.iter().map(|&v| v >= t).collect());
         out.push((*name, tally(s, &yes)));
         bar.inc(1);
     }
@@ -340,31 +342,17 @@ fn simulate_one(
         .zip(SLATE_Z)
         .chain([(&over_slate, FUSED_SLATE)]);
     for (d, name) in decisions {
-        let yes: Vec<Vec<Vec<bool>>> = features
-            .iter()
-            .map(|r| {
-                r.iter()
-                    .map(|f| {
-                        let rows: Vec<Vec<f64>> = f.iter().map(|x| x.to_vec()).collect();
-                        fuse::fuse(&d.weights, &rows)
-                            .into_iter()
-                            .map(|v| v >= d.threshold)
-                            .collect()
-                    })
-                    .collect()
-            })
-            .collect();
+        let yes = answers(&features, |f| {
+            let rows: Vec<Vec<f64>> = f.iter().map(|x| x.to_vec()).collect();
+            fuse::fuse(&d.weights, &rows)
+                .into_iter()
+                .map(|v| v >= d.threshold)
+                .collect()
+        });
         out.push((name, tally(s, &yes)));
     }
     for (d, name) in [(&with_steam, FUSED), (&without_steam, FUSED_NO_STEAM)] {
-        let yes: Vec<Vec<Vec<bool>>> = features
-            .iter()
-            .map(|r| {
-                r.iter()
-                    .map(|f| f.iter().map(|x| d.says_yes(x)).collect())
-                    .collect()
-            })
-            .collect();
+        let yes = answers(&features, |f| f.iter().map(|x| d.says_yes(x)).collect());
         out.push((name, tally(s, &yes)));
     }
     let mut all_yes = Vec::new();
