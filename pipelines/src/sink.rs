@@ -19,6 +19,7 @@ use std::time::Instant;
 use arrow_array::cast::AsArray;
 use arrow_array::types::TimestampMillisecondType;
 use arrow_array::{RecordBatch, UInt32Array};
+use lance::index::DatasetIndexExt as _;
 use lancedb::index::Index;
 use lancedb::table::OptimizeAction;
 use lancedb::{Connection, Table};
@@ -225,16 +226,120 @@ pub async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> {
                 table.name()
             )))?;
     }
-    if existed {
-        table
+    if !existed {
+        return Ok(());
+    }
+    let Some(handle) = table.dataset() else {
+        // Not a local or object-store table: LanceDB's default update.
+        return table
             .optimize(OptimizeAction::Index(Default::default()))
             .await
+            .map(drop)
             .map_err(Error::lance(format!(
                 "updating the indexes of {}",
+                table.name()
+            )));
+    };
+    let dataset = handle
+        .get()
+        .await
+        .map_err(Error::lance(format!("reading {}", table.name())))?;
+    let rows: HashMap<u32, u64> = dataset
+        .get_fragments()
+        .iter()
+        .map(|f| {
+            let n = f.metadata().physical_rows.unwrap_or(0);
+            (f.id() as u32, n as u64)
+        })
+        .collect();
+    for index in indices
+        .iter()
+        .filter(|i| columns.iter().any(|c| i.columns == [*c]))
+    {
+        let segments = dataset
+            .load_indices_by_name(&index.name)
+            .await
+            .map_err(|e| Error::lance(format!("reading the {} index", index.name))(e.into()))?;
+        // Each segment's rows (oldest first), and the rows no segment covers.
+        let bitmaps: Vec<_> = segments
+            .iter()
+            .filter_map(|s| s.fragment_bitmap.as_ref())
+            .collect();
+        let sizes: Vec<u64> = bitmaps
+            .iter()
+            .map(|b| b.iter().map(|f| rows.get(&f).copied().unwrap_or(0)).sum())
+            .collect();
+        let unindexed = rows
+            .iter()
+            .filter(|(f, _)| !bitmaps.iter().any(|b| b.contains(**f)))
+            .map(|(_, n)| n)
+            .sum();
+        let merge = segments_to_merge(&sizes, unindexed);
+        table
+            .optimize(OptimizeAction::Index(
+                lancedb::table::OptimizeOptions::merge(merge).index_names(vec![index.name.clone()]),
+            ))
+            .await
+            .map_err(Error::lance(format!(
+                "updating the {} index of {}",
+                index.name,
                 table.name()
             )))?;
     }
     Ok(())
+}
+
+/// The segments of the BTree index on `column` of `table` (0: no index).
+///
+/// # Errors
+/// LanceDB failures, or a table that is not local or on object storage.
+pub async fn index_segments(table: &Table, column: &str) -> Result<usize> {
+    let indices = table
+        .list_indices()
+        .await
+        .map_err(Error::lance("listing indices"))?;
+    let Some(index) = indices.iter().find(|i| i.columns == [column]) else {
+        return Ok(0);
+    };
+    let handle = table.dataset().ok_or_else(|| Error::Internal {
+        message: format!("{} is not a native table", table.name()),
+    })?;
+    let dataset = handle
+        .get()
+        .await
+        .map_err(Error::lance(format!("reading {}", table.name())))?;
+    let segments = dataset
+        .load_indices_by_name(&index.name)
+        .await
+        .map_err(|e| Error::lance(format!("reading the {} index", index.name))(e.into()))?;
+    Ok(segments.len())
+}
+
+/// How many of an index's newest segments an update folds together with
+/// the rows no segment covers yet (`sizes`: each segment's rows, oldest
+/// first), so that updating a large table costs what it adds, not what it
+/// holds.
+///
+/// LanceDB's default update merges the newest segment with the new rows,
+/// and with a single segment that is every key of the table: an update
+/// every `lancedb.reindex_rows` rows then sorts the whole key column, so the
+/// index's cost per ingested row grows with the table. Here the new rows
+/// become a segment of their own, merged with the newest segments only
+/// while they are at least as large together as the next older one (a
+/// binary counter's carries, as in an LSM tree's tiers): each key is merged
+/// O(log(table / update)) times, and there are as many segments. A lookup
+/// asks every segment.
+fn segments_to_merge(sizes: &[u64], new_rows: u64) -> usize {
+    let mut carried = new_rows;
+    let mut merged = 0;
+    for &older in sizes.iter().rev() {
+        if carried < older {
+            break;
+        }
+        carried += older;
+        merged += 1;
+    }
+    merged
 }
 
 /// The columns of `name` with a BTree index: the key (idempotent writes),
@@ -1199,6 +1304,65 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(stats.num_indexed_rows + stats.num_unindexed_rows, 5);
+    }
+
+    #[test]
+    fn index_updates_merge_like_a_binary_counter() {
+        // Equal updates of 1: the segments are the set bits of the count.
+        let mut sizes: Vec<u64> = Vec::new();
+        let mut merged_rows = 0;
+        for n in 1..=1000u64 {
+            let m = segments_to_merge(&sizes, 1);
+            let folded: u64 = sizes.drain(sizes.len() - m..).sum();
+            merged_rows += folded + 1;
+            sizes.push(folded + 1);
+            assert_eq!(sizes.len() as u32, n.count_ones(), "after {n} updates");
+            assert!(sizes.windows(2).all(|w| w[0] > w[1]), "{sizes:?}");
+        }
+        // Each row is merged about log2(1000) times, not ~500 times as
+        // when every update folds in the whole index.
+        assert!(merged_rows <= 1000 * 11, "{merged_rows}");
+        // A large update folds in every smaller segment; a small one none.
+        assert_eq!(segments_to_merge(&[8, 4, 2], 100), 3);
+        assert_eq!(segments_to_merge(&[8, 4, 2], 1), 0);
+        assert_eq!(segments_to_merge(&[8, 4, 2], 2), 3, "carries all the way");
+        assert_eq!(segments_to_merge(&[8, 4, 1], 1), 1);
+        assert_eq!(segments_to_merge(&[], 5), 0);
+    }
+
+    #[tokio::test]
+    async fn index_updates_add_segments_and_lookups_read_them_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = LanceDbConfig {
+            reindex_rows: 1,
+            // Every write looks its keys up, through the index.
+            fresh_keys: 0,
+            ..lancedb_config(dir.path())
+        };
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let t = TableName::Interactions;
+        let mut written = Vec::new();
+        for round in 0..6 {
+            let ids: Vec<String> = (0..2).map(|i| format!("r{round}-{i}")).collect();
+            let events: Vec<String> = ids.iter().map(|id| click(id)).collect();
+            let b = batches(&events).interactions.unwrap();
+            let r = s.write(t, &b).await.unwrap();
+            assert_eq!(r.inserted, 2);
+            s.settle().await;
+            written.push(b);
+        }
+        s.table(t).checkout_latest().await.unwrap();
+        let segments = index_segments(s.table(t), "event_id").await.unwrap();
+        assert!(
+            (2..6).contains(&segments),
+            "tiers, neither one segment nor one per update: {segments}"
+        );
+        // Replays of every batch, whichever segment holds their keys, add nothing.
+        for b in &written {
+            let r = s.write(t, b).await.unwrap();
+            assert_eq!((r.inserted, r.skipped), (0, 2));
+        }
+        assert_eq!(count(&s, t).await, 12);
     }
 
     /// Regression (seen in the two-instance e2e test): two instances creating

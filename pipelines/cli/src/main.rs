@@ -279,6 +279,18 @@ enum BenchCmd {
         #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
         precision: String,
     },
+    /// One key-index update of interactions as the table grows: the writer's tiered update beside LanceDB's default one.
+    Index {
+        /// Rows before the first measured update.
+        #[arg(long, default_value_t = 2_000_000)]
+        rows: u64,
+        /// Rows appended before each update (lancedb.reindex_rows).
+        #[arg(long, default_value_t = 500_000)]
+        update_rows: u64,
+        /// Updates measured.
+        #[arg(long, default_value_t = 4)]
+        updates: usize,
+    },
     /// Per-batch relation extraction + community maintenance beside a full recomputation.
     Communities {
         /// Memories in the corpus.
@@ -652,6 +664,21 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
             Ok(print_lines(&lines))
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Index {
+                    rows,
+                    update_rows,
+                    updates,
+                },
+        } => {
+            let b = bench::IndexBench {
+                rows,
+                update_rows,
+                updates,
+            };
+            Ok(print_lines(&bench::index(b).await?))
         }
         Cmd::Bench {
             which:

@@ -23,9 +23,11 @@ use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::pipeline::{self, RunOptions};
 use steamrf_pipelines::{embed, source, sql};
 
+mod index;
 mod retrieve;
 mod serve;
 mod soak;
+pub use index::{IndexBench, index};
 pub use retrieve::{RetrieveBench, retrieve};
 pub use serve::{ServeBench, serve};
 pub use soak::{SoakBench, soak};
