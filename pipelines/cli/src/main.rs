@@ -282,14 +282,17 @@ enum BenchCmd {
     /// One key-index update of interactions as the table grows: the writer's tiered update beside LanceDB's default one.
     Index {
         /// Rows before the first measured update.
-        #[arg(long, default_value_t = 2_000_000)]
+        #[arg(long, default_value_t = 4_000_000)]
         rows: u64,
         /// Rows appended before each update (lancedb.reindex_rows).
         #[arg(long, default_value_t = 500_000)]
         update_rows: u64,
         /// Updates measured.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 8)]
         updates: usize,
+        /// Stored clicks replayed (looked up) after each update, spread over the table.
+        #[arg(long, default_value_t = 20_000)]
+        replay_rows: u64,
     },
     /// Per-batch relation extraction + community maintenance beside a full recomputation.
     Communities {
@@ -671,12 +674,14 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     rows,
                     update_rows,
                     updates,
+                    replay_rows,
                 },
         } => {
             let b = bench::IndexBench {
                 rows,
                 update_rows,
                 updates,
+                replay_rows,
             };
             Ok(print_lines(&bench::index(b).await?))
         }

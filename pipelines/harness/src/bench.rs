@@ -40,6 +40,81 @@ struct Rates {
     steady: f64,
     /// From process (or pipeline) start to the last record handled.
     wall: f64,
+    /// CPU time over the same span as `steady`: the consumer's process, and
+    /// the whole machine (the broker, and anything else running).
+    process: Cpu,
+    machine: Cpu,
+}
+
+/// CPU seconds from `/proc` (Linux; zero elsewhere), in user and kernel
+/// mode. On a VM whose host takes freed pages back, the kernel share is
+/// mostly the first touch of memory (zeroing it, copying file data into the
+/// page cache), and it varies from run to run with what the host did.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cpu {
+    user: f64,
+    system: f64,
+}
+
+impl Cpu {
+    /// `/proc` counts in USER_HZ, 100 per second on Linux whatever the kernel's HZ.
+    const TICK: f64 = 0.01;
+
+    /// Every core's busy time (`/proc/stat`; steal time excluded).
+    fn machine() -> Self {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<f64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        let at = |i: usize| ticks.get(i).copied().unwrap_or(0.0);
+        // user nice system idle iowait irq softirq steal
+        Self {
+            user: (at(0) + at(1)) * Self::TICK,
+            system: (at(2) + at(5) + at(6)) * Self::TICK,
+        }
+    }
+
+    /// One process's (`/proc/<pid>/stat`, utime and stime; `pid` may be `self`).
+    fn process(pid: &str) -> Self {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The command name may hold spaces: fields are counted after its ')'.
+        let fields: Vec<f64> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .map(|t| t.parse().unwrap_or(0.0))
+            .collect();
+        let at = |i: usize| fields.get(i).copied().unwrap_or(0.0);
+        Self {
+            user: at(11) * Self::TICK,
+            system: at(12) * Self::TICK,
+        }
+    }
+
+    fn since(self, earlier: Self) -> Self {
+        Self {
+            user: self.user - earlier.user,
+            system: self.system - earlier.system,
+        }
+    }
+
+    fn total(self) -> f64 {
+        self.user + self.system
+    }
+
+    /// Microseconds per event, and the kernel's share, for a report line.
+    fn per_event(self, n: u64) -> String {
+        format!(
+            "{:.2} µs/event ({:.0}% in the kernel)",
+            self.total() * 1e6 / n as f64,
+            100.0 * self.system / self.total().max(f64::MIN_POSITIVE)
+        )
+    }
 }
 
 /// Options of `steamrf bench ingest`.
@@ -317,20 +392,26 @@ fn kcat_rate(kcat: &PathBuf, brokers: &str, topic: &str, n: u64) -> Result<Rates
         message: "no kcat stdout".into(),
     })?;
     let lines = BufReader::with_capacity(1 << 20, stdout).split(b'\n');
+    let pid = child.id().to_string();
     let mut first = None;
+    let mut cpu_at_first = (Cpu::default(), Cpu::default());
     let mut count = 0u64;
     for line in lines {
         line.map_err(|source| Error::Io {
             context: "reading kcat output".into(),
             source,
         })?;
-        first.get_or_insert_with(Instant::now);
+        if first.is_none() {
+            first = Some(Instant::now());
+            cpu_at_first = (Cpu::process(&pid), Cpu::machine());
+        }
         count += 1;
         if count == n {
             break;
         }
     }
     let last = Instant::now();
+    let (process, machine) = (Cpu::process(&pid), Cpu::machine());
     child.kill().ok(); // it may have exited after printing n records
     child.wait().ok();
     let first = first.ok_or_else(|| Error::Internal {
@@ -344,6 +425,8 @@ fn kcat_rate(kcat: &PathBuf, brokers: &str, topic: &str, n: u64) -> Result<Rates
     Ok(Rates {
         steady: (n - 1) as f64 / last.duration_since(first).as_secs_f64(),
         wall: n as f64 / last.duration_since(spawned).as_secs_f64(),
+        process: process.since(cpu_at_first.0),
+        machine: machine.since(cpu_at_first.1),
     })
 }
 
@@ -417,6 +500,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     ));
     let received = metrics.records_received.with_label_values(&[&topic]);
     let mut first = None;
+    let mut cpu_at_first = (Cpu::default(), Cpu::default());
     let mut first_commit: Option<Instant> = None;
     let mut deciles: Vec<u64> = Vec::with_capacity(10);
     let deadline = Instant::now() + Duration::from_secs(600);
@@ -426,6 +510,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         }
         if first.is_none() && received.get() > 0 {
             first = Some(Instant::now());
+            cpu_at_first = (Cpu::process("self"), Cpu::machine());
             // Start-up (model, tables, consumer) is done: its peak is kept
             // apart and the kernel's high-water mark restarts here, so the
             // peak read at the end is the peak while draining the backlog.
@@ -456,6 +541,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let done = Instant::now();
+    let cpu_at_done = (Cpu::process("self"), Cpu::machine());
     let drain_peak = rss_bytes("VmHWM:");
     let (anon, file) = (rss_bytes("RssAnon:"), rss_bytes("RssFile:"));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -468,6 +554,8 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
     let steamrf = Rates {
         steady: n as f64 / done.duration_since(first).as_secs_f64(),
         wall: n as f64 / done.duration_since(started).as_secs_f64(),
+        process: cpu_at_done.0.since(cpu_at_first.0),
+        machine: cpu_at_done.1.since(cpu_at_first.1),
     };
     let rows = sql::query(
         &config.lancedb,
@@ -527,6 +615,7 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         ));
     }
     let first_commit_s = first_commit.map_or(f64::NAN, |c| c.duration_since(first).as_secs_f64());
+    let us = |c: Cpu| c.total() * 1e6 / n as f64;
     out.push(format!(
         "  first commit {first_commit_s:.1} s after the first record"
     ));
@@ -541,6 +630,13 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         })
         .collect();
     out.push(format!("  batches cut by: {}", reasons.join(" ")));
+    out.push(format!(
+        "  CPU, first record → last: steamrf's process {}, the whole machine (broker included) {}; kcat's process {}, the whole machine {}",
+        steamrf.process.per_event(n),
+        steamrf.machine.per_event(n),
+        kcat.process.per_event(n),
+        kcat.machine.per_event(n)
+    ));
     out.push(format!(
         "  from start, group join included: steamrf {:.0} events/s, kcat {:.0} events/s, ratio {:.3}",
         steamrf.wall,
@@ -581,14 +677,19 @@ pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
         )
     });
     out.push(format!(
-        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1} commits={commits} first_commit_s={first_commit_s:.1}{turn_keys}",
+        "RESULT ingest_events_per_s={:.0} kcat_events_per_s={:.0} ratio={:.3} peak_rss_mib={:.0} startup_peak_rss_mib={:.0} ready_rss_mib={:.0} backpressure_s={:.1} commits={commits} first_commit_s={first_commit_s:.1} cpu_us_per_event={:.2} kernel_share={:.2} machine_cpu_us_per_event={:.2} kcat_cpu_us_per_event={:.2} kcat_machine_cpu_us_per_event={:.2}{turn_keys}",
         steamrf.steady,
         kcat.steady,
         steamrf.steady / kcat.steady,
         mib(drain_peak),
         mib(load_peak),
         mib(rss_ready),
-        metrics.backpressure.get()
+        metrics.backpressure.get(),
+        us(steamrf.process),
+        steamrf.process.system / steamrf.process.total().max(f64::MIN_POSITIVE),
+        us(steamrf.machine),
+        us(kcat.process),
+        us(kcat.machine)
     ));
     Ok(out)
 }

@@ -23,6 +23,9 @@ pub struct IndexBench {
     pub update_rows: u64,
     /// Updates measured.
     pub updates: usize,
+    /// Stored clicks replayed after each update (spread over the whole
+    /// table, so every segment is asked): the lookup an exact write makes.
+    pub replay_rows: u64,
 }
 
 const BATCH: u64 = 100_000;
@@ -33,10 +36,10 @@ fn internal(message: impl std::fmt::Display) -> Error {
     }
 }
 
-/// Clicks `range` as an `interactions` batch (the ingest bench's events).
-fn clicks(range: std::ops::Range<u64>) -> Result<RecordBatch> {
+/// Clicks `ids` as an `interactions` batch (the ingest bench's events).
+fn clicks(ids: impl IntoIterator<Item = u64>) -> Result<RecordBatch> {
     let mut builders = TableBuilders::default();
-    for i in range {
+    for i in ids {
         let (_, payload) = super::bench_event(i);
         let event = decode(payload.as_bytes()).map_err(internal)?;
         let provenance = Provenance {
@@ -78,11 +81,14 @@ async fn segments(t: &Table) -> Result<usize> {
     sink::index_segments(t, "event_id").await
 }
 
+/// A sink that never updates an index itself (the bench does) and looks
+/// every write's keys up (no fresh-key ledger).
 async fn open(dir: &std::path::Path) -> Result<LanceSink> {
     let defaults = Config::load(None)?.lancedb;
     let cfg = LanceDbConfig {
         uri: dir.to_string_lossy().into_owned(),
         reindex_rows: 0,
+        fresh_keys: 0,
         ..defaults
     };
     LanceSink::open(&cfg, Metrics::new(&[])).await
@@ -119,6 +125,7 @@ pub async fn index(b: IndexBench) -> Result<Vec<String>> {
         started.elapsed().as_secs_f64()
     ));
     let (mut default_s, mut tiered_s) = (Vec::new(), Vec::new());
+    let (mut default_lookup, mut tiered_lookup) = (Vec::new(), Vec::new());
     let mut end = b.rows;
     for u in 0..b.updates {
         append(&[default, tiered], end..end + b.update_rows).await?;
@@ -137,12 +144,32 @@ pub async fn index(b: IndexBench) -> Result<Vec<String>> {
                 tiered_s.push(t0.elapsed().as_secs_f64());
             }
         }
+        let n = b.replay_rows.min(end).max(1);
+        let replay = tokio::task::spawn_blocking(move || clicks((0..n).map(|k| k * (end / n))))
+            .await
+            .map_err(internal)??;
+        for (sink, times) in [
+            (&default_sink, &mut default_lookup),
+            (&tiered_sink, &mut tiered_lookup),
+        ] {
+            let t0 = Instant::now();
+            let r = sink.write(t, &replay).await?;
+            times.push(t0.elapsed().as_secs_f64());
+            if r.inserted != 0 {
+                return Err(internal(format!(
+                    "a replay of stored clicks inserted {} rows",
+                    r.inserted
+                )));
+            }
+        }
         out.push(format!(
-            "update {} at {end} rows: LanceDB default {:.2} s, tiered {:.2} s ({} segments)",
+            "update {} at {end} rows: LanceDB default {:.2} s, tiered {:.2} s ({} segments); replaying {n} stored clicks: {:.2} s, {:.2} s",
             u + 1,
             default_s[u],
             tiered_s[u],
-            segments(tiered).await?
+            segments(tiered).await?,
+            default_lookup[u],
+            tiered_lookup[u]
         ));
     }
     for (table, name) in [(default, "default"), (tiered, "tiered")] {
@@ -154,16 +181,19 @@ pub async fn index(b: IndexBench) -> Result<Vec<String>> {
             return Err(internal(format!("{name}: key found {n} times")));
         }
     }
-    let (d, s): (f64, f64) = (default_s.iter().sum(), tiered_s.iter().sum());
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     out.push(format!(
-        "RESULT rows={} update_rows={} updates={} default_update_s={:.3} tiered_update_s={:.3} ratio={:.3} segments={}",
+        "RESULT rows={} update_rows={} updates={} default_update_s={:.3} tiered_update_s={:.3} ratio={:.3} segments={} default_lookup_s={:.3} tiered_lookup_s={:.3} lookup_ratio={:.3}",
         end,
         b.update_rows,
         b.updates,
-        d / b.updates as f64,
-        s / b.updates as f64,
-        s / d,
-        segments(tiered).await?
+        mean(&default_s),
+        mean(&tiered_s),
+        mean(&tiered_s) / mean(&default_s),
+        segments(tiered).await?,
+        mean(&default_lookup),
+        mean(&tiered_lookup),
+        mean(&tiered_lookup) / mean(&default_lookup)
     ));
     Ok(out)
 }
