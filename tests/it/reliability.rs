@@ -565,6 +565,41 @@ fn bench(args: &[&str]) -> (String, std::collections::HashMap<String, f64>) {
     steamrf_result(std::iter::once("bench").chain(args.iter().copied()))
 }
 
+/// `steamrf bench index`, small: the tiered key index is updated in
+/// segments, every replayed key is found in both tables (the bench fails
+/// otherwise), and the RESULT line carries the keys docs/capacity.md quotes.
+#[test]
+fn bench_index_updates_in_segments_and_finds_every_replayed_key() {
+    let (text, r) = bench(&[
+        "index",
+        "--rows",
+        "2000",
+        "--update-rows",
+        "1000",
+        "--updates",
+        "3",
+        "--replay-rows",
+        "200",
+    ]);
+    assert_eq!(r["rows"], 5000.0, "{text}");
+    // 2000, then 1000 each: [2000, 1000], [4000] (a carry), [4000, 1000].
+    assert_eq!(r["segments"], 2.0, "{text}");
+    assert!(
+        text.contains("at 4000 rows: ") && text.contains("(1 segments)"),
+        "{text}"
+    );
+    for key in [
+        "default_update_s",
+        "tiered_update_s",
+        "ratio",
+        "default_lookup_s",
+        "tiered_lookup_s",
+        "lookup_ratio",
+    ] {
+        assert!(r[key].is_finite() && r[key] >= 0.0, "{key}: {text}");
+    }
+}
+
 /// `steamrf bench serve`, small: more users are asked for than the cache
 /// holds, so it evicts and stays within `serve.cache_bytes`, and every new
 /// turn written under the running service becomes answerable (the bench
