@@ -202,7 +202,8 @@ pub async fn open_or_create_named(
 }
 
 /// Brings a BTree index on each of `columns` up to date: creates the
-/// missing ones, and folds new fragments into the existing ones.
+/// missing ones, and indexes new fragments in the existing ones as a new
+/// segment, merged with the newest segments as [`segments_to_merge`] says.
 ///
 /// # Errors
 /// LanceDB failures.
@@ -244,36 +245,11 @@ pub async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> {
         .get()
         .await
         .map_err(Error::lance(format!("reading {}", table.name())))?;
-    let rows: HashMap<u32, u64> = dataset
-        .get_fragments()
-        .iter()
-        .map(|f| {
-            let n = f.metadata().physical_rows.unwrap_or(0);
-            (f.id() as u32, n as u64)
-        })
-        .collect();
     for index in indices
         .iter()
         .filter(|i| columns.iter().any(|c| i.columns == [*c]))
     {
-        let segments = dataset
-            .load_indices_by_name(&index.name)
-            .await
-            .map_err(|e| Error::lance(format!("reading the {} index", index.name))(e.into()))?;
-        // Each segment's rows (oldest first), and the rows no segment covers.
-        let bitmaps: Vec<_> = segments
-            .iter()
-            .filter_map(|s| s.fragment_bitmap.as_ref())
-            .collect();
-        let sizes: Vec<u64> = bitmaps
-            .iter()
-            .map(|b| b.iter().map(|f| rows.get(&f).copied().unwrap_or(0)).sum())
-            .collect();
-        let unindexed = rows
-            .iter()
-            .filter(|(f, _)| !bitmaps.iter().any(|b| b.contains(**f)))
-            .map(|(_, n)| n)
-            .sum();
+        let (sizes, unindexed) = segment_rows(&dataset, &index.name).await?;
         let merge = segments_to_merge(&sizes, unindexed);
         table
             .optimize(OptimizeAction::Index(
@@ -287,6 +263,37 @@ pub async fn ensure_btree(table: &Table, columns: &[&str]) -> Result<()> {
             )))?;
     }
     Ok(())
+}
+
+/// The rows of each segment of index `name` (oldest first), and the rows
+/// no segment covers.
+async fn segment_rows(dataset: &lance::Dataset, name: &str) -> Result<(Vec<u64>, u64)> {
+    let segments = dataset
+        .load_indices_by_name(name)
+        .await
+        .map_err(|e| Error::lance(format!("reading the {name} index"))(e.into()))?;
+    let rows: HashMap<u32, u64> = dataset
+        .get_fragments()
+        .iter()
+        .map(|f| {
+            let n = f.metadata().physical_rows.unwrap_or(0);
+            (f.id() as u32, n as u64)
+        })
+        .collect();
+    let bitmaps: Vec<_> = segments
+        .iter()
+        .filter_map(|s| s.fragment_bitmap.as_ref())
+        .collect();
+    let sizes = bitmaps
+        .iter()
+        .map(|b| b.iter().map(|f| rows.get(&f).copied().unwrap_or(0)).sum())
+        .collect();
+    let unindexed = rows
+        .iter()
+        .filter(|(f, _)| !bitmaps.iter().any(|b| b.contains(**f)))
+        .map(|(_, n)| n)
+        .sum();
+    Ok((sizes, unindexed))
 }
 
 /// The segments of the BTree index on `column` of `table` (0: no index).
