@@ -315,11 +315,8 @@ pub async fn index_segments(table: &Table, column: &str) -> Result<usize> {
         .get()
         .await
         .map_err(Error::lance(format!("reading {}", table.name())))?;
-    let segments = dataset
-        .load_indices_by_name(&index.name)
-        .await
-        .map_err(|e| Error::lance(format!("reading the {} index", index.name))(e.into()))?;
-    Ok(segments.len())
+    let (sizes, _) = segment_rows(&dataset, &index.name).await?;
+    Ok(sizes.len())
 }
 
 /// How many of an index's newest segments an update folds together with

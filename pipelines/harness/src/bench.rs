@@ -1498,6 +1498,20 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
+/// Appends `batch` to `table` as it is (a bench's rows are new: no
+/// idempotency check), in one commit.
+async fn add(table: &lancedb::Table, batch: arrow_array::RecordBatch) -> lancedb::Result<()> {
+    let schema = batch.schema();
+    table
+        .add(
+            Box::new(arrow_array::RecordBatchIterator::new([Ok(batch)], schema))
+                as Box<dyn arrow_array::RecordBatchReader + Send>,
+        )
+        .execute()
+        .await
+        .map(drop)
+}
+
 /// A benchmark's own failure, as an internal error.
 fn internal(e: impl std::fmt::Display) -> Error {
     Error::Internal {

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use arrow_array::{RecordBatch, RecordBatchIterator};
+use arrow_array::RecordBatch;
 use lancedb::Table;
 use lancedb::table::OptimizeAction;
 use steamrf_pipelines::config::{Config, LanceDbConfig};
@@ -13,6 +13,8 @@ use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::sink::{self, LanceSink};
 use steamrf_schemas::{Provenance, TableBuilders, TableName, decode};
+
+use super::{add, internal};
 
 /// Options of `steamrf bench index`.
 #[derive(Debug, Clone)]
@@ -29,12 +31,6 @@ pub struct IndexBench {
 }
 
 const BATCH: u64 = 100_000;
-
-fn internal(message: impl std::fmt::Display) -> Error {
-    Error::Internal {
-        message: message.to_string(),
-    }
-}
 
 /// Clicks `ids` as an `interactions` batch (the ingest bench's events).
 fn clicks(ids: impl IntoIterator<Item = u64>) -> Result<RecordBatch> {
@@ -63,22 +59,13 @@ async fn append(tables: &[&Table], range: std::ops::Range<u64>) -> Result<()> {
             .await
             .map_err(internal)??;
         for t in tables {
-            let schema = batch.schema();
-            t.add(
-                Box::new(RecordBatchIterator::new([Ok(batch.clone())], schema))
-                    as Box<dyn arrow_array::RecordBatchReader + Send>,
-            )
-            .execute()
-            .await
-            .map_err(Error::lance("appending clicks"))?;
+            add(t, batch.clone())
+                .await
+                .map_err(Error::lance("appending clicks"))?;
         }
         start = end;
     }
     Ok(())
-}
-
-async fn segments(t: &Table) -> Result<usize> {
-    sink::index_segments(t, "event_id").await
 }
 
 /// A sink that never updates an index itself (the bench does) and looks
@@ -167,7 +154,7 @@ pub async fn index(b: IndexBench) -> Result<Vec<String>> {
             u + 1,
             default_s[u],
             tiered_s[u],
-            segments(tiered).await?,
+            sink::index_segments(tiered, "event_id").await?,
             default_lookup[u],
             tiered_lookup[u]
         ));
@@ -190,7 +177,7 @@ pub async fn index(b: IndexBench) -> Result<Vec<String>> {
         mean(&default_s),
         mean(&tiered_s),
         mean(&tiered_s) / mean(&default_s),
-        segments(tiered).await?,
+        sink::index_segments(tiered, "event_id").await?,
         mean(&default_lookup),
         mean(&tiered_lookup),
         mean(&tiered_lookup) / mean(&default_lookup)

@@ -21,8 +21,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use arrow_array::RecordBatch;
 use arrow_array::builder::{FixedSizeListBuilder, Float32Builder, StringBuilder};
-use arrow_array::{RecordBatch, RecordBatchIterator};
 use arrow_schema::{DataType, Field, Schema};
 use futures::TryStreamExt;
 use lancedb::query::{ExecutableQuery, QueryBase};
@@ -457,12 +457,7 @@ async fn lancedb_topk(
         .await
         .map_err(Error::lance("creating the bench table"))?;
     for batch in batches {
-        table
-            .add(
-                Box::new(RecordBatchIterator::new([Ok(batch)], schema.clone()))
-                    as Box<dyn arrow_array::RecordBatchReader + Send>,
-            )
-            .execute()
+        super::add(&table, batch)
             .await
             .map_err(Error::lance("writing the bench table"))?;
     }

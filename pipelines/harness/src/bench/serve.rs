@@ -23,7 +23,6 @@
 
 use std::time::{Duration, Instant};
 
-use arrow_array::RecordBatchIterator;
 use rand::{Rng, SeedableRng};
 use steamrf_schemas::TableName;
 use steamrf_schemas::tables::EMBEDDING_DIM;
@@ -179,13 +178,7 @@ async fn write_tables(b: &ServeBench, sink: &LanceSink) -> Result<()> {
     while let Some(batches) = rx.recv().await {
         // Plain appends: the rows are new, no idempotency check needed.
         for (name, batch) in batches.iter() {
-            let schema = batch.schema();
-            sink.table(name)
-                .add(
-                    Box::new(RecordBatchIterator::new([Ok(batch.clone())], schema))
-                        as Box<dyn arrow_array::RecordBatchReader + Send>,
-                )
-                .execute()
+            super::add(sink.table(name), batch.clone())
                 .await
                 .map_err(Error::lance(format!("appending {}", name.as_str())))?;
         }
