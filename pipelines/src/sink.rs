@@ -669,7 +669,8 @@ impl LanceSink {
         let l = ledger.as_mut().expect("loaded above");
         let label = [name.as_str()];
         let mut written = None;
-        if l.all_fresh(&rows) {
+        // From here the ledger holds the batch's keys (see `admit`).
+        if l.admit(&rows) {
             let dataset = handle.get().await?;
             match fresh::commit_fresh(dataset, key, batch.clone(), hashes(), l.covered()).await {
                 Ok(committed) => {
@@ -710,16 +711,12 @@ impl LanceSink {
                 insert_absent(table, key, batch, hashes()).await?
             }
         };
-        // Every key of the batch is in the table now (inserted, or there
-        // already); then learn what other writers committed in between.
+        // The ledger took the batch's keys in `admit`; now learn what other
+        // writers committed in between.
         let dataset = handle.get().await?;
         let own = (inserted > 0).then_some(version);
         match l.learn(&dataset, version, own).await {
-            fresh::Learned::Current => {
-                for (h, ts) in rows {
-                    l.insert(h, ts);
-                }
-            }
+            fresh::Learned::Current => {}
             fresh::Learned::Unknown => {
                 tracing::info!(
                     table = name.as_str(),
