@@ -16,6 +16,8 @@ pub mod memory;
 pub mod tables;
 
 pub use error::{DecodeError, DecodeErrorKind};
+#[doc(hidden)]
+pub use event::decode_slow;
 pub use event::{
     Event, EventType, ForgetEvent, Interaction, InteractionKind, ItemEvent, MAX_ID_BYTES,
     MAX_TIMESTAMP_MS, MIN_TIMESTAMP_MS, ProfileEvent, Role, SCHEMA_VERSION, decode,

@@ -279,6 +279,18 @@ enum BenchCmd {
         #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
         precision: String,
     },
+    /// The event decoder's fast path beside serde alone, on the ingest bench's events.
+    Decode {
+        /// Events per round and path.
+        #[arg(long, default_value_t = 200_000)]
+        events: u64,
+        /// Share of dialogue turns (0 – 1); the rest are clicks.
+        #[arg(long, default_value_t = 0.0)]
+        turns_share: f64,
+        /// Rounds (the paths alternate; medians are reported).
+        #[arg(long, default_value_t = 7)]
+        rounds: usize,
+    },
     /// One key-index update of interactions as the table grows: the writer's tiered update beside LanceDB's default one.
     Index {
         /// Rows before the first measured update.
@@ -666,6 +678,22 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 precision,
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
+            Ok(print_lines(&lines))
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Decode {
+                    events,
+                    turns_share,
+                    rounds,
+                },
+        } => {
+            let b = bench::DecodeBench {
+                events,
+                turns_share,
+                rounds,
+            };
+            let lines = tokio::task::spawn_blocking(move || bench::decode_bench(&b)).await??;
             Ok(print_lines(&lines))
         }
         Cmd::Bench {

@@ -23,10 +23,12 @@ use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::pipeline::{self, RunOptions};
 use steamrf_pipelines::{embed, source, sql};
 
+mod decode;
 mod index;
 mod retrieve;
 mod serve;
 mod soak;
+pub use decode::{DecodeBench, decode_bench};
 pub use index::{IndexBench, index};
 pub use retrieve::{RetrieveBench, retrieve};
 pub use serve::{ServeBench, serve};

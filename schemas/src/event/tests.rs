@@ -382,3 +382,121 @@ fn the_byte_scan_for_control_characters_agrees_with_char_is_control_for_every_ch
     }
     assert!(!has_control("user-42 ¢ ÂÂ"));
 }
+
+/// Payloads at the edges of the fast path: each must decode exactly as
+/// serde alone decodes it.
+const EDGES: &[&str] = &[
+    CLICK,
+    r#"{}"#,
+    r#" { } "#,
+    r#"{"type":"click"}"#,
+    r#"{"type":null,"schema_version":1}"#,
+    r#"{"type":"click","type":"click"}"#,
+    r#"{"type":"click","type":null}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e\"1","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e\u0041","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    "{\"type\":\"click\",\"schema_version\":1,\"event_id\":\"e\x01\",\"timestamp\":1,\"user_id\":\"u\",\"item_id\":\"i\"}",
+    r#"{"type":"click","schema_version":1.0,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":-1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":01,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":18446744073709551616,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":-0,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1.0,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1e3,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":"2026-11-30T12:00:00Z","user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":"yesterday","user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":999999999999999999,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":-0}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":0.1}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":123456789.012345}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":1234567890.0123456}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":1.}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","rating":"4"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","extra":{"a":1}}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","extra":[true,false,null]}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","extra":true,"more":nul}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","x":-12.5,"y":"\n"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i",}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"} x"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i"}{}"#,
+    "{\"type\":\"click\",\t\"schema_version\" :\r\n1 ,\"event_id\":\"é\",\"timestamp\":1,\"user_id\":\"u\",\"item_id\":\"i\"}",
+    r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","quantity":3,"price":19.99,"currency":"EUR"}"#,
+    r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","quantity":3.0}"#,
+    r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","quantity":-3}"#,
+    r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","price":-1.5}"#,
+    r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"user","text":"hi there"}"#,
+    r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"robot","text":"  "}"#,
+    r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i","title":"T","categories":["a","b"],"attributes":{"k":1}}"#,
+    r#"{"type":"item","schema_version":1,"event_id":"e","timestamp":1,"item_id":"i","title":"T","description":"d","categories":null}"#,
+    r#"{"type":"profile","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","attributes":null}"#,
+    r#"{"type":"forget","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"","timestamp":1,"user_id":"u","item_id":"i"}"#,
+    r#"{"type":"click" "schema_version":1}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":5,"item_id":"i"}"#,
+    r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i""#,
+    r#"{"type""#,
+    r#"{"#,
+];
+
+#[test]
+fn the_fast_path_decodes_as_serde_does() {
+    for json in EDGES {
+        assert_eq!(
+            decode(json.as_bytes()),
+            decode_slow(json.as_bytes()),
+            "{json}"
+        );
+    }
+    // The usual events take the fast path.
+    for json in [
+        CLICK,
+        r#"{"type":"click","schema_version":1,"event_id":"e","timestamp":"2026-11-30T12:00:00Z","user_id":"u","item_id":"i","rating":4.5}"#,
+        r#"{"type":"purchase","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","item_id":"i","quantity":3,"price":19.99,"currency":"EUR"}"#,
+        r#"{"type":"dialogue_turn","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u","session_id":"s","role":"user","text":"hi there","client":"web"}"#,
+        r#"{"type":"forget","schema_version":1,"event_id":"e","timestamp":1,"user_id":"u"}"#,
+    ] {
+        assert!(fast::parse(json).is_some(), "{json}");
+        assert!(decode(json.as_bytes()).is_ok(), "{json}");
+    }
+}
+
+/// Random edits of a click (bytes replaced, inserted, deleted, from a
+/// fixed seed) decode through both paths alike.
+#[test]
+fn edited_clicks_decode_as_serde_does() {
+    let base = br#"{"type":"click","schema_version":1,"event_id":"bench-000000000042","timestamp":1764000000042,"user_id":"user-000042","item_id":"item-0332598","session_id":"s-2","rating":4.0}"#;
+    let alphabet = b"{}[]\":,.-+eE0123456789 \\tnrufalsx\x01\xc3\xa9";
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        usize::try_from(state % n as u64).unwrap()
+    };
+    let mut fast_taken = 0;
+    for _ in 0..50_000 {
+        let mut p = base.to_vec();
+        for _ in 0..=next(3) {
+            let at = next(p.len());
+            let c = alphabet[next(alphabet.len())];
+            match next(3) {
+                0 => p[at] = c,
+                1 => p.insert(at, c),
+                _ => {
+                    p.remove(at);
+                }
+            }
+        }
+        assert_eq!(
+            decode(&p),
+            decode_slow(&p),
+            "{}",
+            String::from_utf8_lossy(&p)
+        );
+        if let Ok(text) = std::str::from_utf8(&p) {
+            fast_taken += usize::from(fast::parse(text).is_some());
+        }
+    }
+    // Most edits stay in the fast path's reach (an edit inside a string).
+    assert!(fast_taken > 10_000, "{fast_taken}");
+}
