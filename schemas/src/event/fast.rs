@@ -161,7 +161,7 @@ fn value<'a>(text: &'a str, i: usize, field: Option<Field>, raw: &mut Raw<'a>) -
         }
         Field::Rating | Field::Price => {
             let n = number(b, i)?;
-            let v = n.float(text)?;
+            let v = n.float(b)?;
             if matches!(field, Field::Rating) {
                 raw.rating = Some(v);
             } else {
@@ -240,14 +240,26 @@ impl Number {
         )
     }
 
-    /// Its value as serde reads it into an `f64`: exact for at most 15
-    /// digits, where both serde and the standard library round the
-    /// significand divided by a power of ten once, correctly.
-    fn float(&self, text: &str) -> Option<f64> {
+    /// Its value as serde reads it into an `f64`, for at most 15 digits:
+    /// the significand (below 2^53, so exact as an `f64`) divided by an
+    /// exact power of ten, one correctly rounded operation, which is what
+    /// serde computes (with or without `float_roundtrip`) and what `str::parse`
+    /// returns.
+    fn float(&self, b: &[u8]) -> Option<f64> {
+        const POW10: [f64; 16] = [
+            1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+        ];
         if self.digits > 15 {
             return None;
         }
-        text[self.start..self.end].parse().ok()
+        let significand = b[self.start + usize::from(self.negative)..self.end]
+            .iter()
+            .filter(|d| d.is_ascii_digit())
+            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        let fraction = self.dot.map_or(0, |dot| self.end - dot - 1);
+        #[allow(clippy::cast_precision_loss)]
+        let v = significand as f64 / POW10[fraction];
+        Some(if self.negative { -v } else { v })
     }
 }
 
@@ -299,6 +311,42 @@ fn skip_ws(b: &[u8], mut i: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn plain_decimals_read_as_the_standard_library_reads_them() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..200_000 {
+            let digits = 1 + (next() % 15) as usize;
+            let int = 1 + (next() % digits as u64) as usize;
+            let mut t = String::new();
+            if next() % 2 == 0 {
+                t.push('-');
+            }
+            for k in 0..digits {
+                if k == int {
+                    t.push('.');
+                }
+                // No leading zero unless the integer part is "0".
+                let d = if k == 0 && int > 1 {
+                    1 + next() % 9
+                } else {
+                    next() % 10
+                };
+                t.push(char::from(b'0' + d as u8));
+            }
+            let b = t.as_bytes();
+            let n = super::number(b, 0).unwrap_or_else(|| panic!("{t}"));
+            assert_eq!(n.end, b.len(), "{t}");
+            let v = n.float(b).unwrap();
+            assert_eq!(v.to_bits(), t.parse::<f64>().unwrap().to_bits(), "{t}");
+        }
+    }
+
     #[test]
     fn the_word_scan_finds_what_a_byte_scan_finds() {
         let naive = |b: &[u8], from: usize| {
