@@ -600,6 +600,27 @@ fn bench_index_updates_in_segments_and_finds_every_replayed_key() {
     }
 }
 
+/// `steamrf bench decode`, small: both decoder paths decode every bench
+/// event alike (the bench fails otherwise), clicks and dialogue turns, and
+/// the RESULT line carries the keys the README quotes.
+#[test]
+fn bench_decode_compares_the_fast_path_with_serde_on_the_same_events() {
+    let (text, r) = bench(&[
+        "decode",
+        "--events",
+        "2000",
+        "--turns-share",
+        "0.2",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(r["events"], 2000.0, "{text}");
+    assert!(text.contains("(20% dialogue turns)"), "{text}");
+    for key in ["fast_ns_per_event", "serde_ns_per_event", "ratio"] {
+        assert!(r[key].is_finite() && r[key] > 0.0, "{key}: {text}");
+    }
+}
+
 /// `steamrf bench serve`, small: more users are asked for than the cache
 /// holds, so it evicts and stays within `serve.cache_bytes`, and every new
 /// turn written under the running service becomes answerable (the bench
