@@ -1,9 +1,11 @@
 //! The JSON events producers send, and their decoder.
 //!
-//! Decoding is two-step: serde parses the payload into a flat, borrowed
+//! Decoding is two-step: the payload is parsed into a flat, borrowed
 //! [`Raw`] record (unknown fields are ignored, see `docs/events.md`), then
 //! [`Raw::validate`] checks the rules of the event's type and yields a typed
 //! [`Event`]. Strings borrow from the payload whenever they carry no escapes.
+//! The parse is `fast::parse` for the flat objects nearly every event is,
+//! and serde for anything it declines; both yield the same record.
 
 use std::borrow::Cow;
 use std::fmt;
