@@ -142,12 +142,12 @@ fn value<'a>(text: &'a str, i: usize, field: Option<Field>, raw: &mut Raw<'a>) -
         Field::Description => &mut raw.description,
         Field::SchemaVersion => {
             let n = number(b, i)?;
-            raw.schema_version = Some(n.unsigned(b)?);
+            raw.schema_version = Some(n.unsigned()?);
             return Some(n.end);
         }
         Field::Quantity => {
             let n = number(b, i)?;
-            raw.quantity = Some(i64::try_from(n.unsigned(b)?).ok()?);
+            raw.quantity = Some(i64::try_from(n.unsigned()?).ok()?);
             return Some(n.end);
         }
         Field::Timestamp => {
@@ -157,12 +157,12 @@ fn value<'a>(text: &'a str, i: usize, field: Option<Field>, raw: &mut Raw<'a>) -
                 return Some(end);
             }
             let n = number(b, i)?;
-            raw.timestamp = Some(Timestamp(Ok(i64::try_from(n.unsigned(b)?).ok()?)));
+            raw.timestamp = Some(Timestamp(Ok(i64::try_from(n.unsigned()?).ok()?)));
             return Some(n.end);
         }
         Field::Rating | Field::Price => {
             let n = number(b, i)?;
-            let v = n.float(b)?;
+            let v = n.float()?;
             if matches!(field, Field::Rating) {
                 raw.rating = Some(v);
             } else {
@@ -218,27 +218,22 @@ fn stop(b: &[u8], from: usize) -> Option<usize> {
 /// A JSON number token: `-? (0 | [1-9][0-9]*) (. [0-9]+)?`, without an
 /// exponent (that is serde's to read).
 struct Number {
-    start: usize,
     negative: bool,
-    /// Index of the `.`, if any.
-    dot: Option<usize>,
+    /// Its digits as one integer, the `.` ignored (meaningful up to 19
+    /// digits; both readers below take fewer).
+    significand: u64,
     /// Digits in the token.
     digits: usize,
+    /// Digits after the `.`.
+    fraction: usize,
     end: usize,
 }
 
 impl Number {
     /// Its value, when it is a non-negative integer of at most 18 digits:
     /// what serde reads as a `u64` and what fits an `i64` too.
-    fn unsigned(&self, b: &[u8]) -> Option<u64> {
-        if self.negative || self.dot.is_some() || self.digits > 18 {
-            return None;
-        }
-        Some(
-            b[self.start..self.end]
-                .iter()
-                .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
-        )
+    fn unsigned(&self) -> Option<u64> {
+        (!self.negative && self.fraction == 0 && self.digits <= 18).then_some(self.significand)
     }
 
     /// Its value as serde reads it into an `f64`, for at most 15 digits:
@@ -246,20 +241,15 @@ impl Number {
     /// exact power of ten, one correctly rounded operation, which is what
     /// serde computes (with or without `float_roundtrip`) and what `str::parse`
     /// returns.
-    fn float(&self, b: &[u8]) -> Option<f64> {
+    fn float(&self) -> Option<f64> {
         const POW10: [f64; 16] = [
             1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
         ];
         if self.digits > 15 {
             return None;
         }
-        let significand = b[self.start + usize::from(self.negative)..self.end]
-            .iter()
-            .filter(|d| d.is_ascii_digit())
-            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
-        let fraction = self.dot.map_or(0, |dot| self.end - dot - 1);
         #[allow(clippy::cast_precision_loss)]
-        let v = significand as f64 / POW10[fraction];
+        let v = self.significand as f64 / POW10[self.fraction];
         Some(if self.negative { -v } else { v })
     }
 }
@@ -268,37 +258,39 @@ impl Number {
 fn number(b: &[u8], i: usize) -> Option<Number> {
     let negative = b.get(i) == Some(&b'-');
     let mut j = i + usize::from(negative);
+    let mut significand = 0u64;
+    let mut digits_from = |j: &mut usize| {
+        let start = *j;
+        while let Some(d) = b.get(*j).filter(|d| d.is_ascii_digit()) {
+            significand = significand
+                .wrapping_mul(10)
+                .wrapping_add(u64::from(d - b'0'));
+            *j += 1;
+        }
+        *j - start
+    };
     let int_start = j;
-    while b.get(j).is_some_and(u8::is_ascii_digit) {
-        j += 1;
-    }
-    let int_digits = j - int_start;
+    let int_digits = digits_from(&mut j);
     // JSON has no leading zeros ("01") and needs a digit.
     if int_digits == 0 || (int_digits > 1 && b[int_start] == b'0') {
         return None;
     }
-    let mut digits = int_digits;
-    let mut dot = None;
+    let mut fraction = 0;
     if b.get(j) == Some(&b'.') {
-        dot = Some(j);
         j += 1;
-        let frac_start = j;
-        while b.get(j).is_some_and(u8::is_ascii_digit) {
-            j += 1;
-        }
-        if j == frac_start {
+        fraction = digits_from(&mut j);
+        if fraction == 0 {
             return None;
         }
-        digits += j - frac_start;
     }
     if matches!(b.get(j), Some(b'e' | b'E')) {
         return None;
     }
     Some(Number {
-        start: i,
         negative,
-        dot,
-        digits,
+        significand,
+        digits: int_digits + fraction,
+        fraction,
         end: j,
     })
 }
@@ -343,7 +335,7 @@ mod tests {
             let b = t.as_bytes();
             let n = super::number(b, 0).unwrap_or_else(|| panic!("{t}"));
             assert_eq!(n.end, b.len(), "{t}");
-            let v = n.float(b).unwrap();
+            let v = n.float().unwrap();
             assert_eq!(v.to_bits(), t.parse::<f64>().unwrap().to_bits(), "{t}");
         }
     }
