@@ -580,11 +580,16 @@ impl LanceSink {
         let table = self.table(name);
         let (in_rows, written) = match name {
             TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
-                let (batch, rows) = dedup_absent(name, batch)?;
-                (
-                    batch.num_rows() as u64,
-                    self.write_absent(name, batch, rows).await,
-                )
+                let key = name.key();
+                let rows = fresh::keys_of(batch, key).ok_or_else(|| Error::Internal {
+                    message: format!("a batch for {} lacks {key} or timestamp", name.as_str()),
+                })?;
+                match self.write_absent(name, batch, rows).await {
+                    Ok((in_rows, inserted, updated, version)) => {
+                        (in_rows, Ok((inserted, updated, version)))
+                    }
+                    Err(e) => (0, Err(e)),
+                }
             }
             TableName::Items | TableName::Profiles => {
                 let batch = dedup(name, batch)?;
@@ -645,19 +650,34 @@ impl LanceSink {
 
     /// Writes an insert-if-absent table: a fresh batch (see [`fresh`]) as
     /// new fragments, any other through [`insert_absent`]; then brings the
-    /// ledger up to the new version.
+    /// ledger up to the new version. `rows` are each row's key hash and
+    /// timestamp ([`fresh::keys_of`]). Returns `(rows after the in-batch
+    /// dedup, inserted, updated, version)`.
+    ///
+    /// The ledger sees every key of the batch, so a key repeated within it
+    /// makes the batch not fresh: only the exact path dedups (a fresh batch
+    /// skips that map, one insert per row).
     async fn write_absent(
         &self,
         name: TableName,
-        batch: RecordBatch,
+        batch: &RecordBatch,
         rows: Vec<(u64, i64)>,
-    ) -> lancedb::Result<(u64, u64, u64)> {
+    ) -> lancedb::Result<(u64, u64, u64, u64)> {
         let table = self.table(name);
         let key = name.key();
+        let exact = |batch: &RecordBatch, rows: Vec<(u64, i64)>| {
+            dedup_absent(name, batch, rows).map_err(|e| lancedb::Error::Runtime {
+                message: format!("deduplicating a batch for {}: {e}", name.as_str()),
+            })
+        };
         let mut ledger = self.tables[&name].ledger.lock().await;
-        let hashes = || rows.iter().map(|r| r.0);
-        if self.fresh_keys == 0 {
-            return insert_absent(table, key, batch, hashes()).await;
+        if self.fresh_keys == 0 || rows.len() != batch.num_rows() {
+            // No ledger, or null keys (no table schema allows them); the
+            // ledger learns this commit's keys from it at the next write.
+            let (batch, rows) = exact(batch, rows)?;
+            let n = batch.num_rows() as u64;
+            let (i, u, v) = insert_absent(table, key, batch, rows.iter().map(|r| r.0)).await?;
+            return Ok((n, i, u, v));
         }
         let handle = table.dataset().ok_or_else(|| not_native(table))?;
         if ledger.is_none() {
@@ -672,7 +692,8 @@ impl LanceSink {
         // From here the ledger holds the batch's keys (see `admit`).
         if l.admit(&rows) {
             let dataset = handle.get().await?;
-            match fresh::commit_fresh(dataset, key, batch.clone(), hashes(), l.covered()).await {
+            let hashes = rows.iter().map(|r| r.0);
+            match fresh::commit_fresh(dataset, key, batch.clone(), hashes, l.covered()).await {
                 Ok(committed) => {
                     let version = committed.version().version;
                     handle.update(committed);
@@ -680,7 +701,8 @@ impl LanceSink {
                         .fresh_writes
                         .with_label_values(&[label[0], "fresh"])
                         .inc();
-                    written = Some((rows.len() as u64, 0, version));
+                    let n = rows.len() as u64;
+                    written = Some((n, n, 0, version));
                 }
                 Err(
                     e @ (lance::Error::RetryableCommitConflict { .. }
@@ -701,14 +723,17 @@ impl LanceSink {
                 }
             }
         }
-        let (inserted, updated, version) = match written {
+        let (in_rows, inserted, updated, version) = match written {
             Some(w) => w,
             None => {
                 self.metrics
                     .fresh_writes
                     .with_label_values(&[label[0], "exact"])
                     .inc();
-                insert_absent(table, key, batch, hashes()).await?
+                let (batch, rows) = exact(batch, rows)?;
+                let n = batch.num_rows() as u64;
+                let (i, u, v) = insert_absent(table, key, batch, rows.iter().map(|r| r.0)).await?;
+                (n, i, u, v)
             }
         };
         // The ledger took the batch's keys in `admit`; now learn what other
@@ -726,7 +751,7 @@ impl LanceSink {
                 *ledger = None;
             }
         }
-        Ok((inserted, updated, version))
+        Ok((in_rows, inserted, updated, version))
     }
 
     /// The stored `(timestamp, event_id)` of each of `keys` that exists in
@@ -1010,11 +1035,15 @@ fn not_native(table: &Table) -> lancedb::Error {
     }
 }
 
-/// [`dedup`] for an insert-if-absent table, returning with the batch each
-/// kept row's key hash and timestamp ([`fresh::keys_of`]). One SipHash per
-/// key serves the in-batch dedup, the ledger and the commit's key set;
-/// before, the dedup hashed every key again.
-fn dedup_absent(name: TableName, batch: &RecordBatch) -> Result<(RecordBatch, Vec<(u64, i64)>)> {
+/// [`dedup`] for an insert-if-absent table, given each row's key hash and
+/// timestamp ([`fresh::keys_of`]), returning with the batch those of the
+/// kept rows. One SipHash per key serves the in-batch dedup, the ledger and
+/// the commit's key set.
+fn dedup_absent(
+    name: TableName,
+    batch: &RecordBatch,
+    rows: Vec<(u64, i64)>,
+) -> Result<(RecordBatch, Vec<(u64, i64)>)> {
     let key = name.key();
     let lacks = || Error::Internal {
         message: format!("a batch for {} lacks {key} or timestamp", name.as_str()),
@@ -1024,7 +1053,6 @@ fn dedup_absent(name: TableName, batch: &RecordBatch) -> Result<(RecordBatch, Ve
         let rows = fresh::keys_of(&batch, key).ok_or_else(lacks)?;
         Ok((batch, rows))
     };
-    let rows = fresh::keys_of(batch, key).ok_or_else(lacks)?;
     if rows.len() != batch.num_rows() {
         // Null keys (no table schema allows them).
         return general();
@@ -1207,7 +1235,8 @@ mod tests {
         let b = batches(&[click("a"), click("b"), click("a"), click("c"), click("b")])
             .interactions
             .unwrap();
-        let (kept, rows) = dedup_absent(TableName::Interactions, &b).unwrap();
+        let all = fresh::keys_of(&b, "event_id").unwrap();
+        let (kept, rows) = dedup_absent(TableName::Interactions, &b, all).unwrap();
         let general = dedup(TableName::Interactions, &b).unwrap();
         assert_eq!(kept, general);
         assert_eq!(rows, fresh::keys_of(&general, "event_id").unwrap());
@@ -1219,7 +1248,8 @@ mod tests {
             .to_vec();
         assert_eq!(offsets, [0, 1, 3], "first occurrences, in order");
         let unique = batches(&[click("x"), click("y")]).interactions.unwrap();
-        let (same, rows) = dedup_absent(TableName::Interactions, &unique).unwrap();
+        let all = fresh::keys_of(&unique, "event_id").unwrap();
+        let (same, rows) = dedup_absent(TableName::Interactions, &unique, all).unwrap();
         assert_eq!((same.num_rows(), rows.len()), (2, 2));
     }
 
@@ -1570,6 +1600,25 @@ mod tests {
         s.write(t, &clicks(25..30)).await.unwrap();
         assert_eq!(paths(&s), (1, 1));
         assert_eq!(count(&s, t).await, 30);
+    }
+
+    /// A batch that repeats a key is not fresh (the ledger sees the key
+    /// twice): it takes the exact path, which stores the key once; the
+    /// next batch of new keys is fresh again.
+    #[tokio::test]
+    async fn a_batch_repeating_a_key_takes_the_exact_path_and_stores_it_once() {
+        let (_dir, s) = sink().await;
+        let t = TableName::Interactions;
+        let twice = batches(&[click("a"), click("b"), click("a")])
+            .interactions
+            .unwrap();
+        let w = s.write(t, &twice).await.unwrap();
+        assert_eq!((w.inserted, w.skipped), (2, 0));
+        assert_eq!(paths(&s), (0, 1));
+        let next = batches(&[click("c"), click("d")]).interactions.unwrap();
+        assert_eq!(s.write(t, &next).await.unwrap().inserted, 2);
+        assert_eq!(paths(&s), (1, 1));
+        assert_eq!(count(&s, t).await, 4);
     }
 
     /// A fresh batch whose keys another writer committed after this
