@@ -619,7 +619,13 @@ impl SourceLoop {
                     if self.tracker.is_empty() {
                         opened_at = now;
                     }
-                    let topic_idx = topics.iter().position(|t| t == msg.topic()).unwrap_or(0);
+                    // `msg.topic()` measures and UTF-8-checks the C name
+                    // on every call: with one topic there is nothing to ask.
+                    let topic_idx = if topics.len() == 1 {
+                        0
+                    } else {
+                        topics.iter().position(|t| t == msg.topic()).unwrap_or(0)
+                    };
                     let payload = msg.payload().unwrap_or_default();
                     let produced = msg.timestamp().to_millis();
                     received.count(topic_idx, payload.len());
