@@ -582,7 +582,7 @@ impl LanceSink {
             TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
                 let key = name.key();
                 let rows = fresh::keys_of(batch, key).ok_or_else(|| Error::Internal {
-                    message: format!("a batch for {} lacks {key} or timestamp", name.as_str()),
+                    message: lacks_key(name),
                 })?;
                 match self.write_absent(name, batch, rows).await {
                     Ok((in_rows, inserted, updated, version)) => {
@@ -598,7 +598,7 @@ impl LanceSink {
                 let written = match fresh::keys_of(&batch, key) {
                     Some(rows) => upsert_newer(table, key, batch, rows.iter().map(|r| r.0)).await,
                     None => Err(lancedb::Error::InvalidInput {
-                        message: format!("a batch for {} lacks {key} or timestamp", table.name()),
+                        message: lacks_key(name),
                     }),
                 };
                 (in_rows, written)
@@ -665,19 +665,11 @@ impl LanceSink {
     ) -> lancedb::Result<(u64, u64, u64, u64)> {
         let table = self.table(name);
         let key = name.key();
-        let exact = |batch: &RecordBatch, rows: Vec<(u64, i64)>| {
-            dedup_absent(name, batch, rows).map_err(|e| lancedb::Error::Runtime {
-                message: format!("deduplicating a batch for {}: {e}", name.as_str()),
-            })
-        };
         let mut ledger = self.tables[&name].ledger.lock().await;
         if self.fresh_keys == 0 || rows.len() != batch.num_rows() {
             // No ledger, or null keys (no table schema allows them); the
             // ledger learns this commit's keys from it at the next write.
-            let (batch, rows) = exact(batch, rows)?;
-            let n = batch.num_rows() as u64;
-            let (i, u, v) = insert_absent(table, key, batch, rows.iter().map(|r| r.0)).await?;
-            return Ok((n, i, u, v));
+            return dedup_insert_absent(table, name, batch, rows).await;
         }
         let handle = table.dataset().ok_or_else(|| not_native(table))?;
         if ledger.is_none() {
@@ -730,10 +722,7 @@ impl LanceSink {
                     .fresh_writes
                     .with_label_values(&[label[0], "exact"])
                     .inc();
-                let (batch, rows) = exact(batch, rows)?;
-                let n = batch.num_rows() as u64;
-                let (i, u, v) = insert_absent(table, key, batch, rows.iter().map(|r| r.0)).await?;
-                (n, i, u, v)
+                dedup_insert_absent(table, name, batch, rows).await?
             }
         };
         // The ledger took the batch's keys in `admit`; now learn what other
@@ -931,6 +920,23 @@ const INSERT_ATTEMPTS: u32 = 10;
 /// item or profile (by timestamp, then event id).
 const NEWER: &str = "target.timestamp < source.timestamp OR (target.timestamp = source.timestamp AND target.event_id < source.event_id)";
 
+/// The exact path of an insert-if-absent table: [`dedup_absent`], then
+/// [`insert_absent`]; returns `(rows after the dedup, inserted, updated,
+/// version)`.
+async fn dedup_insert_absent(
+    table: &Table,
+    name: TableName,
+    batch: &RecordBatch,
+    rows: Vec<(u64, i64)>,
+) -> lancedb::Result<(u64, u64, u64, u64)> {
+    let (batch, rows) = dedup_absent(name, batch, rows).map_err(|e| lancedb::Error::Runtime {
+        message: format!("deduplicating a batch for {}: {e}", name.as_str()),
+    })?;
+    let n = batch.num_rows() as u64;
+    let (i, u, v) = insert_absent(table, name.key(), batch, rows.iter().map(|r| r.0)).await?;
+    Ok((n, i, u, v))
+}
+
 /// Inserts the rows of `batch` whose `key` is not in `table` yet (keys unique
 /// within the batch), in one commit; returns `(inserted, 0, version)`.
 ///
@@ -1035,6 +1041,15 @@ fn not_native(table: &Table) -> lancedb::Error {
     }
 }
 
+/// The error message for a batch without `name`'s key or timestamp column.
+fn lacks_key(name: TableName) -> String {
+    format!(
+        "a batch for {} lacks {} or timestamp",
+        name.as_str(),
+        name.key()
+    )
+}
+
 /// [`dedup`] for an insert-if-absent table, given each row's key hash and
 /// timestamp ([`fresh::keys_of`]), returning with the batch those of the
 /// kept rows. One SipHash per key serves the in-batch dedup, the ledger and
@@ -1046,7 +1061,7 @@ fn dedup_absent(
 ) -> Result<(RecordBatch, Vec<(u64, i64)>)> {
     let key = name.key();
     let lacks = || Error::Internal {
-        message: format!("a batch for {} lacks {key} or timestamp", name.as_str()),
+        message: lacks_key(name),
     };
     let general = || -> Result<(RecordBatch, Vec<(u64, i64)>)> {
         let batch = dedup(name, batch)?;
