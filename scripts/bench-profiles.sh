@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's dev-vs-release table: runs the ingest, embed, retrieve and
+# docs/results.md's dev-vs-release table: runs the ingest, embed, retrieve and
 # similarity benches with the dev binary and the release binary (the one the
 # Dockerfile ships), alternating them, each ingest run on a freshly restarted
 # broker (Tansu keeps every topic in memory). Prints every RESULT line and

@@ -602,7 +602,7 @@ fn bench_index_updates_in_segments_and_finds_every_replayed_key() {
 
 /// `steamrf bench decode`, small: both decoder paths decode every bench
 /// event alike (the bench fails otherwise), clicks and dialogue turns, and
-/// the RESULT line carries the keys the README quotes.
+/// the RESULT line carries the keys docs/results.md quotes.
 #[test]
 fn bench_decode_compares_the_fast_path_with_serde_on_the_same_events() {
     let (text, r) = bench(&[

@@ -5,7 +5,7 @@
 //! inflated: with all-MiniLM-L6-v2 and the AgentCF CD template the median
 //! item-item cosine is ~0.53, and the paper's τ = 0.5 merges most of a
 //! user's items into one memory. Two remedies the issue tracker asked to
-//! measure (issue 17, README *STEAM ranking*, the geometry ablation):
+//! measure (issue 17, docs/results.md *STEAM ranking*, the geometry ablation):
 //!
 //! - [`mean_centre`]: subtract the catalogue's mean vector and re-normalise,
 //!   so cosines spread around 0;

@@ -95,7 +95,7 @@ enum Cmd {
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
     },
-    /// The papers' evaluation protocols on their data (see the README's results).
+    /// The papers' evaluation protocols on their data (results: docs/results.md).
     Eval {
         #[command(subcommand)]
         which: EvalCmd,
