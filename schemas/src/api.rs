@@ -118,8 +118,31 @@ pub fn check_query_vector(query: &[f32], dim: usize) -> Result<(), FieldError> {
     if query.iter().all(|v| *v == 0.0) {
         return Err(FieldError::new("query_vector", "is all zeros"));
     }
+    // The service normalises the vector in f32: a norm whose square
+    // overflows f32, or underflows it, would become a zero or non-unit
+    // vector and score every memory alike.
+    let norm = query
+        .iter()
+        .map(|&v| f64::from(v).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    if !(QUERY_NORM_MIN..=QUERY_NORM_MAX).contains(&norm) {
+        return Err(FieldError::new(
+            "query_vector",
+            format!(
+                "has length {norm:.3e}; the service normalises it in f32, which needs a length between {QUERY_NORM_MIN:e} and {QUERY_NORM_MAX:e}"
+            ),
+        ));
+    }
     Ok(())
 }
+
+/// The shortest `query_vector` accepted (its squared length must stay a
+/// normal f32).
+pub const QUERY_NORM_MIN: f64 = 1e-6;
+/// The longest `query_vector` accepted (its squared length must stay
+/// finite in f32).
+pub const QUERY_NORM_MAX: f64 = 1e6;
 
 /// `POST /v1/retrieve`.
 #[derive(Debug, Clone, Deserialize)]
@@ -269,6 +292,19 @@ mod tests {
             field(retrieve(r#"{"user_id":"u","query_vector":[1e39,0,0]}"#)),
             "query_vector"
         );
+        // Finite, not all zero, but of a length f32 normalisation cannot
+        // make unit: 400 naming the field (issue 44).
+        for v in ["[3e20,0,0]", "[1e-30,1e-30,0]", "[1e-7,0,0]", "[2e6,0,0]"] {
+            assert_eq!(
+                field(retrieve(&format!(
+                    r#"{{"user_id":"u","query_vector":{v}}}"#
+                ))),
+                "query_vector",
+                "{v}"
+            );
+        }
+        assert!(retrieve(r#"{"user_id":"u","query_vector":[1e-5,0,0]}"#).is_ok());
+        assert!(retrieve(r#"{"user_id":"u","query_vector":[3e5,4e5,0]}"#).is_ok());
         assert_eq!(
             field(retrieve(r#"{"user_id":"u","query_vector":[1,"a",0]}"#)),
             "query_vector[1]"

@@ -211,6 +211,38 @@ impl Event<'_> {
             Self::Forget(e) => &e.event_id,
         }
     }
+
+    /// The event's `timestamp`, ms since the epoch.
+    pub fn timestamp_ms(&self) -> i64 {
+        match self {
+            Self::Interaction(e) => e.timestamp_ms,
+            Self::Item(e) => e.timestamp_ms,
+            Self::Profile(e) => e.timestamp_ms,
+            Self::Forget(e) => e.timestamp_ms,
+        }
+    }
+
+    /// Refuses an event stamped more than `max_skew_ms` after `now_ms`
+    /// (the reader's clock): a clock gone wrong, or one pushing stream time
+    /// ahead on purpose, which would age every honest event out of the
+    /// sink's fast path. The decoder itself knows no clock.
+    ///
+    /// # Errors
+    /// An `invalid_field` error on `timestamp`.
+    pub fn check_not_ahead(&self, now_ms: i64, max_skew_ms: i64) -> Result<(), DecodeError> {
+        let ts = self.timestamp_ms();
+        if ts > now_ms.saturating_add(max_skew_ms) {
+            return Err(DecodeError::invalid(
+                "timestamp",
+                format!(
+                    "{ts} is {} s ahead of this reader's clock ({now_ms}); at most kafka.max_future_skew ({} s) is accepted",
+                    (ts - now_ms) / 1000,
+                    max_skew_ms / 1000
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Decodes one payload. Never panics; every error names the field and the reason.

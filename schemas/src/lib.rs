@@ -14,6 +14,7 @@ mod error;
 mod event;
 pub mod memory;
 pub mod tables;
+pub mod tenancy;
 
 pub use error::{DecodeError, DecodeErrorKind};
 #[doc(hidden)]

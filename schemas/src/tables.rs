@@ -2,13 +2,15 @@
 //! that append decoded events into `RecordBatch`es for those tables.
 //!
 //! Tables (all written idempotently, see `ARCHITECTURE.md`):
-//! - `interactions`: clicks, purchases and dialogue turns, keyed by `event_id`,
-//!   without vectors (most rows have none, and a vector column costs a click
+//! - `interactions`: clicks, purchases and dialogue turns, keyed by
+//!   `(user_id, event_id)` (an `event_id` is unique per user), without vectors (most rows have none, and a vector column costs a click
 //!   row 1,536 bytes in memory and every idempotent merge a join over it);
-//! - `turn_vectors`: each embedded dialogue turn's vector, keyed by `event_id`;
+//! - `turn_vectors`: each embedded dialogue turn's vector, keyed by
+//!   `(user_id, event_id)`;
 //! - `items`: the catalog, keyed by `item_id` (latest event time wins);
 //! - `profiles`: user attributes, keyed by `user_id` (latest event time wins);
-//! - `passages`: one embedded window of turns per dialogue turn.
+//! - `passages`: one embedded window of turns per dialogue turn, keyed as
+//!   the turn.
 //!
 //! Every row carries its provenance: the Kafka partition and offset it came
 //! from and when steamrf ingested it.
@@ -65,7 +67,32 @@ impl TableName {
         }
     }
 
-    /// The column writes are idempotent on.
+    /// Whether the key is unique per user rather than table-wide: the
+    /// per-user tables store one row per `(user_id, event_id)`, so one
+    /// tenant's or user's `event_id` can neither hide nor stand in for
+    /// another's (docs/security.md). Items and profiles keep one key.
+    pub fn keyed_per_user(self) -> bool {
+        matches!(
+            self,
+            Self::Interactions | Self::TurnVectors | Self::Passages
+        )
+    }
+
+    /// The columns a stored row is identified by: the key, with `user_id`
+    /// where [`Self::keyed_per_user`].
+    pub fn key_columns(self) -> &'static [&'static str] {
+        if self.keyed_per_user() {
+            &["event_id", "user_id"]
+        } else {
+            match self {
+                Self::Items => &["item_id"],
+                _ => &["user_id"],
+            }
+        }
+    }
+
+    /// The column writes are idempotent on (with `user_id` where
+    /// [`Self::keyed_per_user`]).
     pub fn key(self) -> &'static str {
         match self {
             Self::Interactions | Self::TurnVectors => "event_id",

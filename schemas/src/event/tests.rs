@@ -500,3 +500,29 @@ fn edited_clicks_decode_as_serde_does() {
     // Most edits stay in the fast path's reach (an edit inside a string).
     assert!(fast_taken > 10_000, "{fast_taken}");
 }
+
+#[test]
+fn an_event_stamped_past_the_allowed_skew_is_refused_on_timestamp() {
+    let at = |ts: i64| {
+        format!(
+            r#"{{"type":"click","schema_version":1,"event_id":"e","timestamp":{ts},"user_id":"u","item_id":"i"}}"#
+        )
+    };
+    let now = 1_764_000_000_000;
+    let hour = 3_600_000;
+    for ok in [now - 86_400_000, now, now + hour] {
+        let line = at(ok);
+        decode(line.as_bytes())
+            .unwrap()
+            .check_not_ahead(now, hour)
+            .unwrap();
+    }
+    let line = at(now + hour + 1);
+    let e = decode(line.as_bytes())
+        .unwrap()
+        .check_not_ahead(now, hour)
+        .unwrap_err();
+    assert_eq!(e.kind, DecodeErrorKind::InvalidField);
+    assert_eq!(e.field, "timestamp");
+    assert!(e.reason.contains("max_future_skew"), "{}", e.reason);
+}
