@@ -75,13 +75,24 @@ pub struct Prototype {
     pub users: usize,
 }
 
+/// What a prototype may say about an item: catalogue facts (the `item`
+/// events' title and categories), never anything a user wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ItemFacts {
+    /// The item's title.
+    pub title: String,
+    /// Its categories or genres.
+    pub categories: Vec<String>,
+}
+
 /// See [`SteamState::digest`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Digest {
-    /// Facet counts over the members.
+    /// Category counts over the shared items, each item weighted by the
+    /// distinct members' users who chose it.
     pub facets: BTreeMap<String, u32>,
-    /// The members' latest titles or snippets.
-    pub recent: Vec<String>,
+    /// The shared items' titles, most widely chosen first (ties by title).
+    pub titles: Vec<String>,
     /// Distinct users among the members.
     pub users: usize,
     /// Sum of the members' embeddings.
@@ -99,6 +110,11 @@ pub struct ObserveOutcome {
     pub consolidated: u64,
     /// Replayed observations that changed nothing.
     pub unchanged: u64,
+    /// Observations whose new memory's id another memory holds already
+    /// (another user's, or one of the user's own, as an `event_id` of
+    /// "profile" would give the profile memory's): refused, so no id ever
+    /// changes owner (docs/security.md).
+    pub refused: u64,
 }
 
 /// What [`SteamState::link`] did.
@@ -128,6 +144,9 @@ pub struct SteamState {
     communities: Communities,
     out_links: HashMap<MemoryId, Vec<Link>>,
     prototypes: HashMap<MemoryId, Prototype>,
+    /// Titles and categories of the items observed or learned: the only
+    /// text a prototype is built from.
+    catalogue: HashMap<String, ItemFacts>,
 }
 
 impl SteamState {
@@ -141,7 +160,34 @@ impl SteamState {
             communities: Communities::new(),
             out_links: HashMap::new(),
             prototypes: HashMap::new(),
+            catalogue: HashMap::new(),
         }
+    }
+
+    /// An empty state with the same parameters and item catalogue (a
+    /// reload from the tables starts from it).
+    pub fn emptied(&self) -> Self {
+        Self {
+            catalogue: self.catalogue.clone(),
+            ..Self::new(self.params, self.index.dim())
+        }
+    }
+
+    /// Records an item's catalogue facts (a newer version replaces them).
+    /// Observations with an item and a title teach them too.
+    pub fn learn_item(&mut self, item_id: &str, facts: ItemFacts) {
+        match self.catalogue.get_mut(item_id) {
+            Some(f) if *f == facts => {}
+            Some(f) => *f = facts,
+            None => {
+                self.catalogue.insert(item_id.to_owned(), facts);
+            }
+        }
+    }
+
+    /// An item's catalogue facts, if known.
+    pub fn item(&self, item_id: &str) -> Option<&ItemFacts> {
+        self.catalogue.get(item_id)
     }
 
     /// The parameters.
@@ -251,6 +297,17 @@ impl SteamState {
         });
         let mut out = ObserveOutcome::default();
         let mut seen = BTreeSet::new();
+        for (_, obs) in &batch {
+            if let (Some(item), Some(title)) = (&obs.item_id, &obs.title) {
+                self.learn_item(
+                    item,
+                    ItemFacts {
+                        title: title.clone(),
+                        categories: obs.categories.clone(),
+                    },
+                );
+            }
+        }
         for (user_id, obs) in &batch {
             let step = self
                 .users
@@ -259,6 +316,20 @@ impl SteamState {
                 .observe(obs, &self.params.evolve);
             let id = match step {
                 Step::Formed(id) => {
+                    let user = self.users.get_mut(user_id).expect("observed above");
+                    let held_by_user = user.memories.iter().filter(|m| m.id == id).count() > 1;
+                    let held_by_other = self.owner.get(&id).is_some_and(|o| o != user_id);
+                    if held_by_user || held_by_other {
+                        // The new memory is the user's last; the one that
+                        // holds the id stays as it was.
+                        let last = user.memories.iter().rposition(|m| m.id == id);
+                        if let Some(i) = last {
+                            user.memories.remove(i);
+                        }
+                        tracing::warn!(user_id = %user_id, memory_id = id, "A new memory's id is taken; the observation is refused.");
+                        out.refused += 1;
+                        continue;
+                    }
                     out.formed += 1;
                     id
                 }
@@ -451,6 +522,14 @@ impl SteamState {
     /// A wrong-length or non-finite embedding.
     pub fn restore_memory(&mut self, m: Memory) -> Result<(), steamrf_kernels::Error> {
         let (user, id) = (m.user_id.clone(), m.id);
+        if let Some(owner) = self.owner.get(&id)
+            && *owner != user
+        {
+            // Never moves an id to another owner, whatever a table or the
+            // changes topic says.
+            tracing::warn!(memory_id = id, owner = %owner, claimed_by = %user, "A restored memory's id belongs to another user; ignored.");
+            return Ok(());
+        }
         let u = self
             .users
             .entry(user.clone())
@@ -495,19 +574,21 @@ impl SteamState {
             .find(|m| m.id == id)
     }
 
-    /// What a set of memories says together: facet counts summed, each
-    /// memory's latest title or snippet (sorted, distinct, at most
-    /// `max_recent`), the distinct users, and the sum of the embeddings.
-    /// Prototypes are built from it, and so are their LLM prompts.
-    pub fn digest(&self, members: &[MemoryId], max_recent: usize) -> Digest {
+    /// What a set of memories may say together to each of their users
+    /// (k-anonymous by items): only the items that at least
+    /// `params.min_users` distinct users among the members chose, with
+    /// their catalogue titles (at most `max_titles`, most widely chosen
+    /// first) and categories. Nothing a user wrote (dialogue snippets,
+    /// profile attributes, a memory's own content) is ever in it, and an
+    /// item only one or two members chose is not named. Also the distinct
+    /// users, and the sum of the embeddings. Prototypes are built from it,
+    /// and so are their LLM prompts.
+    pub fn digest(&self, members: &[MemoryId], max_titles: usize) -> Digest {
         let mut users = BTreeSet::new();
         let mut d = Digest::default();
-        for m in members.iter().filter_map(|&id| self.memory(id)) {
+        let found: Vec<&Memory> = members.iter().filter_map(|&id| self.memory(id)).collect();
+        for m in &found {
             users.insert(m.user_id.as_str());
-            for (f, n) in &m.facets {
-                *d.facets.entry(f.clone()).or_default() += n;
-            }
-            d.recent.extend(m.recent.last().cloned());
             if d.sum.is_empty() {
                 d.sum = vec![0.0; m.embedding.len()];
             }
@@ -515,9 +596,19 @@ impl SteamState {
                 *s += v;
             }
         }
-        d.recent.sort();
-        d.recent.dedup();
-        d.recent.truncate(max_recent);
+        let mut shared: Vec<(usize, &ItemFacts)> = shared_items(found, self.params.min_users)
+            .into_iter()
+            .filter_map(|(i, n)| Some((n, self.catalogue.get(i)?)))
+            .collect();
+        shared.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.title.cmp(&b.1.title)));
+        for &(n, facts) in &shared {
+            for c in &facts.categories {
+                *d.facets.entry(c.clone()).or_default() += n as u32;
+            }
+            if d.titles.len() < max_titles && !d.titles.contains(&facts.title) {
+                d.titles.push(facts.title.clone());
+            }
+        }
         d.users = users.len();
         d
     }
@@ -550,7 +641,7 @@ impl SteamState {
             }
             let p = Prototype {
                 id: c,
-                content: summarise(&digest.facets, &digest.recent),
+                content: prototype_content(&digest),
                 embedding: memory::normalized(digest.sum),
                 members,
                 users: digest.users,
@@ -559,6 +650,36 @@ impl SteamState {
             out.prototypes.push(p);
         }
     }
+}
+
+/// The items at least `floor` (and at least one) distinct users chose among
+/// `members`, with how many users chose each, by item id. What a community
+/// may say about its members' choices to each of them: an item fewer
+/// users chose would single them out (docs/security.md).
+pub fn shared_items<'a>(
+    members: impl IntoIterator<Item = &'a Memory>,
+    floor: usize,
+) -> BTreeMap<&'a str, usize> {
+    let mut chosen: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for m in members {
+        for i in &m.items {
+            chosen.entry(i.as_str()).or_default().insert(&m.user_id);
+        }
+    }
+    chosen
+        .into_iter()
+        .filter(|(_, u)| u.len() >= floor.max(1))
+        .map(|(i, u)| (i, u.len()))
+        .collect()
+}
+
+/// A prototype's content from its digest: the shared items' top categories
+/// and titles (most widely chosen first), or nothing when no item is shared
+/// by enough users.
+pub fn prototype_content(d: &Digest) -> String {
+    // `summarise` lists its examples newest last; the titles are best first.
+    let titles: Vec<String> = d.titles.iter().rev().cloned().collect();
+    summarise(&d.facets, &titles)
 }
 
 #[cfg(test)]

@@ -28,15 +28,7 @@ pub struct MemoryIndex {
     tenant_separator: Option<char>,
 }
 
-/// The tenant of `user_id`: the part before the first `separator`, or
-/// `"default"` (no separator configured, or none in the id). Links,
-/// communities and prototypes never cross tenants, and the retrieval service
-/// scopes API tokens to tenants.
-pub fn tenant_of(user_id: &str, separator: Option<char>) -> &str {
-    separator
-        .and_then(|c| user_id.split_once(c))
-        .map_or("default", |(t, _)| t)
-}
+pub use steamrf_schemas::tenancy::tenant_of;
 
 /// One link found: `from` → `to` with cosine `score`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,6 +62,11 @@ impl MemoryIndex {
     pub fn with_tenant_separator(mut self, separator: Option<char>) -> Self {
         self.tenant_separator = separator;
         self
+    }
+
+    /// The embeddings' dimension.
+    pub fn dim(&self) -> usize {
+        self.corpus.dim()
     }
 
     /// Live memories.
