@@ -185,6 +185,52 @@ impl ItemCf {
     }
 }
 
+/// [`ItemCf`] per tenant (`steamrf_schemas::tenancy`): what the service
+/// ranks with. A tenant's popularity and co-occurrence counts are its own
+/// users' only, so no answer tells one tenant how another's users chose.
+#[derive(Debug, Default)]
+pub struct TenantItemCf {
+    by_tenant: HashMap<Box<str>, ItemCf>,
+    separator: Option<char>,
+}
+
+impl TenantItemCf {
+    /// From `(user, item)` pairs, split by the users' tenants.
+    pub fn new<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+        separator: Option<char>,
+    ) -> Self {
+        let mut split: HashMap<&str, Vec<(&str, &str)>> = HashMap::new();
+        for (u, i) in pairs {
+            split
+                .entry(steamrf_schemas::tenancy::tenant_of(u, separator))
+                .or_default()
+                .push((u, i));
+        }
+        Self {
+            by_tenant: split
+                .into_iter()
+                .map(|(t, pairs)| (t.into(), ItemCf::new(pairs)))
+                .collect(),
+            separator,
+        }
+    }
+
+    /// The statistics of `user_id`'s tenant (none: the tenant has no rows).
+    pub fn of(&self, user_id: &str) -> Option<&ItemCf> {
+        self.by_tenant
+            .get(steamrf_schemas::tenancy::tenant_of(user_id, self.separator))
+    }
+
+    /// Approximate heap bytes held.
+    pub fn bytes(&self) -> usize {
+        self.by_tenant
+            .iter()
+            .map(|(t, cf)| t.len() + cf.bytes() + 64)
+            .sum()
+    }
+}
+
 fn cosine(x: &[u32], y: &[u32]) -> f64 {
     let co = intersection(x, y);
     if co == 0 {
@@ -516,6 +562,29 @@ pub fn score(weights: &Weights, features: &[[f64; 4]]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 44, items 9–10: globex's users make an item popular and tie
+    /// it to another; acme's statistics do not move.
+    #[test]
+    fn item_statistics_count_the_asking_tenants_users_only() {
+        let mut pairs = vec![("acme:ann", "a"), ("acme:ben", "a"), ("acme:ben", "b")];
+        let globex: Vec<String> = (0..50).map(|n| format!("globex:u{n}")).collect();
+        for u in &globex {
+            pairs.push((u, "b"));
+            pairs.push((u, "secret"));
+        }
+        let cf = TenantItemCf::new(pairs, Some(':'));
+        let acme = cf.of("acme:zed").expect("acme has rows");
+        assert_eq!(acme.popularity("a"), 2.0);
+        assert_eq!(acme.popularity("b"), 1.0, "globex's 50 users do not count");
+        assert_eq!(acme.popularity("secret"), 0.0);
+        assert_eq!(acme.cosine("b", "secret"), 0.0);
+        assert_eq!(cf.of("globex:u1").unwrap().popularity("b"), 50.0);
+        assert!(cf.of("initech:x").is_none());
+        // Without tenancy, one tenant.
+        let one = TenantItemCf::new([("ann", "a"), ("acme:ben", "a")], None);
+        assert_eq!(one.of("x").unwrap().popularity("a"), 2.0);
+    }
 
     #[test]
     fn user_knn_votes_with_the_most_similar_users() {

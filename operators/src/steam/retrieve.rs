@@ -52,6 +52,11 @@ pub trait MemoryView {
     fn prototype(&self, c: MemoryId) -> Option<&Prototype>;
     /// A memory by id.
     fn memory(&self, id: MemoryId) -> Option<&Memory>;
+    /// `tenancy.separator`: another user's memory informs an answer only
+    /// when both users are of one tenant ([`peer`]), whatever the stored
+    /// communities say (a changed separator, or tables another
+    /// configuration wrote, must not let votes or memories cross tenants).
+    fn tenant_separator(&self) -> Option<char>;
     /// An item's unit embedding, where the view has the catalogue (for
     /// [`RecommendParams::item_weight`]); `None` by default.
     fn item_vector(&self, _item: &str) -> Option<&[f32]> {
@@ -72,6 +77,15 @@ impl MemoryView for SteamState {
     fn memory(&self, id: MemoryId) -> Option<&Memory> {
         SteamState::memory(self, id)
     }
+    fn tenant_separator(&self) -> Option<char> {
+        self.params().tenant_separator
+    }
+}
+
+/// Whether `other`'s memory may inform `user_id`'s answers: another user
+/// of the same tenant (`steamrf_schemas::tenancy::is_peer`).
+pub fn peer(view: &impl MemoryView, user_id: &str, other: &Memory) -> bool {
+    steamrf_schemas::tenancy::is_peer(user_id, &other.user_id, view.tenant_separator())
 }
 
 /// Retrieval and ranking parameters.
@@ -220,7 +234,7 @@ pub fn retrieve(
             let Some(om) = view.memory(other) else {
                 continue;
             };
-            if om.user_id == user_id {
+            if !peer(view, user_id, om) {
                 continue;
             }
             collab
@@ -341,7 +355,7 @@ fn recommend_batched(
             };
             for &other in &proto.members {
                 if let Some(om) = view.memory(other)
-                    && om.user_id != user_id
+                    && peer(view, user_id, om)
                 {
                     members.entry(other).or_insert((om, proto.id));
                 }
@@ -513,7 +527,7 @@ fn neighbour_votes<'a>(view: &'a impl MemoryView, m: &Memory, k: usize) -> HashM
         .members
         .iter()
         .filter_map(|&id| view.memory(id).map(|o| (id, o)))
-        .filter(|(_, o)| o.user_id != m.user_id)
+        .filter(|(_, o)| peer(view, &m.user_id, o))
         .map(|(id, o)| (dot(&m.embedding, &o.embedding), id, o))
         .filter(|(s, _, _)| *s > 0.0)
         .collect();
@@ -859,6 +873,9 @@ mod tests {
             }
             fn memory(&self, id: MemoryId) -> Option<&Memory> {
                 self.0.memory(id)
+            }
+            fn tenant_separator(&self) -> Option<char> {
+                self.0.params().tenant_separator
             }
             fn item_vector(&self, item: &str) -> Option<&[f32]> {
                 self.1

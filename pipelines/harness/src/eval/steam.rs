@@ -281,6 +281,9 @@ impl MemoryView for Catalogued<'_> {
     fn memory(&self, id: MemoryId) -> Option<&Memory> {
         self.state.memory(id)
     }
+    fn tenant_separator(&self) -> Option<char> {
+        self.state.params().tenant_separator
+    }
     fn item_vector(&self, item: &str) -> Option<&[f32]> {
         self.items.get(item).map(|(_, _, e)| e.as_slice())
     }
