@@ -310,26 +310,31 @@ impl EmbedStage {
         let kind = col("kind")?.as_string::<i32>();
         let text = col("text")?.as_string::<i32>();
         let ids = col("event_id")?.as_string::<i32>();
+        let users = col("user_id")?.as_string::<i32>();
         let all: Vec<usize> = (0..batch.num_rows())
             .filter(|&r| kind.value(r) == "dialogue_turn" && text.is_valid(r))
             .collect();
+        // A turn is its user's: (user_id, event_id), as the tables key it.
+        let key = |r: usize| (users.value(r), ids.value(r));
         let mut seen = std::collections::HashSet::new();
         let turns: Vec<usize> = all
             .iter()
             .copied()
-            .filter(|&r| seen.insert(ids.value(r)))
+            .filter(|&r| seen.insert(key(r)))
             .collect();
         if turns.is_empty() {
             return Ok((batch, None));
         }
-        let keys: Vec<&str> = turns.iter().map(|&r| ids.value(r)).collect();
+        let keys: Vec<(&str, &str)> = turns.iter().map(|&r| key(r)).collect();
         // A replayed turn (a crash after the write, before the commit) keeps
         // the vector stored the first time: the STEAM stage, which runs after
         // the write, must still observe it, and nothing is embedded twice.
+        // Only the same user's stored turn counts (docs/security.md).
         let stored = sink.stored_vectors(&keys).await?;
+        let owned = |r: usize| (users.value(r).to_owned(), ids.value(r).to_owned());
         let (replayed, rows): (Vec<usize>, Vec<usize>) = turns
             .into_iter()
-            .partition(|&r| stored.contains_key(ids.value(r)));
+            .partition(|&r| stored.contains_key(&owned(r)));
         self.metrics
             .embed_skipped
             .with_label_values(&["dialogue_turn"])
@@ -337,7 +342,7 @@ impl EmbedStage {
         let (mut at, mut flat) = (Vec::new(), Vec::new());
         for &r in &replayed {
             at.push(r);
-            flat.extend_from_slice(&stored[ids.value(r)]);
+            flat.extend_from_slice(&stored[&owned(r)]);
         }
         let mut refused = Vec::new();
         if !rows.is_empty() {
@@ -410,18 +415,23 @@ impl EmbedStage {
                 kind.value(r) == "dialogue_turn"
                     && text.is_valid(r)
                     && sessions.is_valid(r)
-                    && seen.insert(ids.value(r))
+                    && seen.insert((users.value(r), ids.value(r)))
             })
             .collect();
         if turns.is_empty() {
             return Ok(None);
         }
-        let keys: Vec<&str> = turns.iter().map(|&r| ids.value(r)).collect();
-        let stored = sink.stored_versions(TableName::Passages, &keys).await?;
+        let keys: Vec<(&str, &str)> = turns
+            .iter()
+            .map(|&r| (users.value(r), ids.value(r)))
+            .collect();
+        let stored = sink.stored_turns(TableName::Passages, &keys).await?;
         let new: Vec<usize> = turns
             .iter()
             .copied()
-            .filter(|&r| !stored.contains_key(ids.value(r)))
+            .filter(|&r| {
+                !stored.contains_key(&(users.value(r).to_owned(), ids.value(r).to_owned()))
+            })
             .collect();
         self.metrics
             .embed_skipped

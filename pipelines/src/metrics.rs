@@ -64,6 +64,9 @@ pub struct Metrics {
     /// Insert-if-absent writes, by table and path: `fresh` (committed
     /// without looking the keys up) or `exact` (looked up).
     pub fresh_writes: IntCounterVec,
+    /// Batches whose only doubt was a few keys the filter of forgotten
+    /// keys may hold, looked up key by key, by table.
+    pub suspect_lookups: IntCounterVec,
     /// Latest LanceDB version written, by table.
     pub table_version: IntGaugeVec,
     /// Texts embedded, by kind (dialogue_turn, item).
@@ -334,6 +337,12 @@ impl Metrics {
                 "Insert-if-absent batch writes, by path: fresh (no key lookup) or exact (keys looked up).",
                 &["table", "path"],
             ),
+            suspect_lookups: counter(
+                &r,
+                "steamrf_sink_suspect_key_lookups_total",
+                "Batches whose only doubt was keys the fresh-key ledger's filter of forgotten keys may hold, looked up key by key.",
+                &["table"],
+            ),
             table_version: gauge_vec(
                 &r,
                 "steamrf_sink_table_version",
@@ -542,6 +551,7 @@ impl Metrics {
             for p in ["fresh", "exact"] {
                 m.fresh_writes.with_label_values(&[t.as_str(), p]);
             }
+            m.suspect_lookups.with_label_values(&[t.as_str()]);
         }
         for c in ["source", "sink", "embed", "steam"] {
             for k in [ErrorKind::Config, ErrorKind::External, ErrorKind::Internal] {

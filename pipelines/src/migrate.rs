@@ -17,6 +17,14 @@
 //! Stop every ingest instance first; `serve` may keep running (it reads
 //! columns by name, and finds the turn vectors in `turn_vectors` after
 //! step 1).
+//!
+//! And one repair: **links between tenants**. Links, communities and
+//! prototypes never cross tenants, but tables written under another
+//! `tenancy.separator` (or before one was set) may hold links that do under
+//! the one configured now. The STEAM stage refuses to start on them and
+//! names this command, which deletes those links and every prototype with a
+//! member at either end of one; the STEAM stage rebuilds its communities
+//! from what is left, within tenants.
 
 use arrow_array::{RecordBatch, RecordBatchIterator};
 use arrow_schema::Schema;
@@ -39,6 +47,10 @@ pub struct Report {
     pub turn_vectors_inserted: u64,
     /// Columns dropped, as `table.column`.
     pub dropped: Vec<String>,
+    /// Links between tenants deleted from `memory_links`.
+    pub links_across_tenants: u64,
+    /// Prototypes built across tenants deleted from `prototypes`.
+    pub prototypes_across_tenants: u64,
 }
 
 /// The problem to report when table `name` exists with `actual`, a schema
@@ -73,21 +85,124 @@ pub async fn warn_if_pending(db: &lancedb::Connection) {
     }
 }
 
-/// Runs every pending migration on the database `cfg` names (module docs).
+/// Runs every pending migration on the database `cfg` names, and the
+/// repair of links between tenants under `separator` (module docs).
 /// Idempotent: on an up-to-date database it changes nothing.
 ///
 /// # Errors
 /// LanceDB failures; the migration can then simply be run again.
-pub async fn migrate(cfg: &LanceDbConfig) -> Result<Report> {
+pub async fn migrate(cfg: &LanceDbConfig, separator: Option<char>) -> Result<Report> {
     let db = crate::sink::connect(cfg).await?;
     let mut report = Report::default();
+    move_turn_vectors(&db, &mut report).await?;
+    split_tenants(&db, separator, &mut report).await?;
+    Ok(report)
+}
+
+/// Deletes the links between users of different tenants and the prototypes
+/// with a member at either end of one.
+async fn split_tenants(
+    db: &lancedb::Connection,
+    separator: Option<char>,
+    report: &mut Report,
+) -> Result<()> {
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    use steamrf_schemas::memory::MemoryTable;
+    use steamrf_schemas::tenancy::tenant_of;
+
+    let open = |t: MemoryTable| async move {
+        match db.open_table(t.as_str()).execute().await {
+            Ok(t) => Ok(Some(t)),
+            Err(lancedb::Error::TableNotFound { .. }) => Ok(None),
+            Err(e) => Err(Error::lance(format!("opening {}", t.as_str()))(e)),
+        }
+    };
+    let Some(links) = open(MemoryTable::MemoryLinks).await? else {
+        return Ok(());
+    };
+    let read = |t: &lancedb::Table, columns: &'static [&'static str]| {
+        let t = t.clone();
+        async move {
+            let what = || format!("reading {}", t.name());
+            t.query()
+                .select(Select::columns(columns))
+                .execute()
+                .await
+                .map_err(Error::lance(what()))?
+                .try_collect::<Vec<RecordBatch>>()
+                .await
+                .map_err(Error::lance(what()))
+        }
+    };
+    let mut crossing: Vec<(i64, i64)> = Vec::new();
+    for b in read(&links, &["from_id", "to_id", "from_user", "to_user"]).await? {
+        let (from, to) = (
+            b.column(0).as_primitive::<Int64Type>(),
+            b.column(1).as_primitive::<Int64Type>(),
+        );
+        let (fu, tu) = (
+            b.column(2).as_string::<i32>(),
+            b.column(3).as_string::<i32>(),
+        );
+        for r in 0..b.num_rows() {
+            if tenant_of(fu.value(r), separator) != tenant_of(tu.value(r), separator) {
+                crossing.push((from.value(r), to.value(r)));
+            }
+        }
+    }
+    if crossing.is_empty() {
+        return Ok(());
+    }
+    for chunk in crossing.chunks(500) {
+        let filter = chunk
+            .iter()
+            .map(|(f, t)| format!("(from_id = {f} AND to_id = {t})"))
+            .collect::<Vec<_>>()
+            .join(" OR ");
+        report.links_across_tenants += crate::forget::delete_counted(&links, &filter).await?;
+    }
+    let ends: std::collections::HashSet<i64> = crossing.iter().flat_map(|&(f, t)| [f, t]).collect();
+    if let Some(prototypes) = open(MemoryTable::Prototypes).await? {
+        let mut doomed = Vec::new();
+        for b in read(&prototypes, &["prototype_id", "member_ids"]).await? {
+            let id = b.column(0).as_primitive::<Int64Type>();
+            let members = b.column(1).as_list::<i32>();
+            for r in 0..b.num_rows() {
+                let m = members.value(r);
+                if m.as_primitive::<Int64Type>()
+                    .values()
+                    .iter()
+                    .any(|x| ends.contains(x))
+                {
+                    doomed.push(id.value(r).to_string());
+                }
+            }
+        }
+        if !doomed.is_empty() {
+            let filter = format!("prototype_id IN ({})", doomed.join(","));
+            report.prototypes_across_tenants =
+                crate::forget::delete_counted(&prototypes, &filter).await?;
+        }
+    }
+    tracing::info!(
+        links = report.links_across_tenants,
+        prototypes = report.prototypes_across_tenants,
+        ?separator,
+        "Repaired: links and prototypes between tenants deleted."
+    );
+    Ok(())
+}
+
+/// The migration of turn vectors out of `interactions` (module docs).
+async fn move_turn_vectors(db: &lancedb::Connection, report: &mut Report) -> Result<()> {
     let interactions = match db
         .open_table(TableName::Interactions.as_str())
         .execute()
         .await
     {
         Ok(t) => t,
-        Err(lancedb::Error::TableNotFound { .. }) => return Ok(report),
+        Err(lancedb::Error::TableNotFound { .. }) => return Ok(()),
         Err(e) => return Err(Error::lance("opening interactions")(e)),
     };
     let schema = interactions
@@ -95,9 +210,9 @@ pub async fn migrate(cfg: &LanceDbConfig) -> Result<Report> {
         .await
         .map_err(Error::lance("reading the schema of interactions"))?;
     if pending(TableName::Interactions.as_str(), &schema).is_none() {
-        return Ok(report);
+        return Ok(());
     }
-    let vectors = crate::sink::open_or_create(&db, TableName::TurnVectors).await?;
+    let vectors = crate::sink::open_or_create(db, TableName::TurnVectors).await?;
     let target = TableName::TurnVectors.schema();
     let columns: Vec<&str> = target.fields().iter().map(|f| f.name().as_str()).collect();
     let mut stream = interactions
@@ -118,11 +233,11 @@ pub async fn migrate(cfg: &LanceDbConfig) -> Result<Report> {
         // The columns in `turn_vectors`' order, under its schema.
         pending_rows.push(RecordBatch::try_new(target.clone(), b.columns().to_vec())?);
         if held >= COPY_ROWS {
-            copy(&vectors, std::mem::take(&mut pending_rows), &mut report).await?;
+            copy(&vectors, std::mem::take(&mut pending_rows), report).await?;
             held = 0;
         }
     }
-    copy(&vectors, pending_rows, &mut report).await?;
+    copy(&vectors, pending_rows, report).await?;
     interactions
         .drop_columns(&["embedding"])
         .await
@@ -133,7 +248,7 @@ pub async fn migrate(cfg: &LanceDbConfig) -> Result<Report> {
         inserted = report.turn_vectors_inserted,
         "Migrated: turn vectors moved from interactions to turn_vectors."
     );
-    Ok(report)
+    Ok(())
 }
 
 /// Inserts the rows of `batches` that `turn_vectors` lacks.
@@ -148,7 +263,7 @@ async fn copy(
     }
     let batch = arrow_select::concat::concat_batches(&TableName::TurnVectors.schema(), &batches)?;
     let batch = crate::sink::dedup(TableName::TurnVectors, &batch)?;
-    let mut merge = table.merge_insert(&["event_id"]);
+    let mut merge = table.merge_insert(TableName::TurnVectors.key_columns());
     merge.when_not_matched_insert_all();
     let schema = batch.schema();
     let r = merge
@@ -236,7 +351,7 @@ mod tests {
             .to_string();
         assert!(err.contains("steamrf migrate"), "{err}");
 
-        let r = migrate(&cfg).await.unwrap();
+        let r = migrate(&cfg, None).await.unwrap();
         assert_eq!(r.turn_vectors_found, 2);
         assert_eq!(r.turn_vectors_inserted, 2);
         assert_eq!(r.dropped, ["interactions.embedding"]);
@@ -251,16 +366,20 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(rows, 3);
-        let stored = sink.stored_vectors(&["t'1", "t2", "c1"]).await.unwrap();
+        let stored = sink
+            .stored_vectors(&[("u", "t'1"), ("v", "t2"), ("u", "c1")])
+            .await
+            .unwrap();
         assert_eq!(stored.len(), 2);
-        assert_eq!(stored["t'1"], vectors[..384]);
-        assert_eq!(stored["t2"], vectors[384..]);
+        let key = |u: &str, e: &str| (u.to_owned(), e.to_owned());
+        assert_eq!(stored[&key("u", "t'1")], vectors[..384]);
+        assert_eq!(stored[&key("v", "t2")], vectors[384..]);
         // A second run finds nothing to do.
-        assert_eq!(migrate(&cfg).await.unwrap(), Report::default());
+        assert_eq!(migrate(&cfg, None).await.unwrap(), Report::default());
         // And an empty database is no error.
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(
-            migrate(&config(empty.path())).await.unwrap(),
+            migrate(&config(empty.path()), None).await.unwrap(),
             Report::default()
         );
     }

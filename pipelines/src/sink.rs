@@ -1,9 +1,10 @@
 //! The LanceDB sink: opens or creates the tables and writes micro-batches
 //! idempotently.
 //!
-//! - `interactions`: insert-if-absent on `event_id` (a replayed or duplicated
-//!   event adds nothing); `passages` likewise (one window per turn, keyed by
-//!   the turn's `event_id`);
+//! - `interactions`: insert-if-absent on `(event_id, user_id)` (a replayed or
+//!   duplicated event adds nothing, and one user's `event_id` never hides or
+//!   stands in for another's, whatever tenant sent it); `turn_vectors` and
+//!   `passages` likewise (one vector and one window per turn);
 //! - `items`, `profiles`: upsert on the entity key, where a row replaces the
 //!   stored one only if it is newer by `(timestamp, event_id)`, so replays and
 //!   out-of-order delivery converge to the same table.
@@ -18,7 +19,7 @@ use std::time::Instant;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::TimestampMillisecondType;
-use arrow_array::{RecordBatch, UInt32Array};
+use arrow_array::{ArrayRef, RecordBatch, UInt32Array};
 use lance::index::DatasetIndexExt as _;
 use lancedb::index::Index;
 use lancedb::table::OptimizeAction;
@@ -455,6 +456,7 @@ pub struct LanceSink {
     metrics: Metrics,
     reindex_rows: u64,
     fresh_keys: usize,
+    fresh_filter_bytes: usize,
 }
 
 impl LanceSink {
@@ -495,6 +497,7 @@ impl LanceSink {
             metrics,
             reindex_rows: cfg.reindex_rows,
             fresh_keys: cfg.fresh_keys,
+            fresh_filter_bytes: cfg.fresh_filter_bytes.0,
         })
     }
 
@@ -674,7 +677,13 @@ impl LanceSink {
         let handle = table.dataset().ok_or_else(|| not_native(table))?;
         if ledger.is_none() {
             let started = Instant::now();
-            let loaded = fresh::Ledger::load(&*handle.get().await?, key, self.fresh_keys).await?;
+            let loaded = fresh::Ledger::load(
+                &*handle.get().await?,
+                key,
+                self.fresh_keys,
+                self.fresh_filter_bytes,
+            )
+            .await?;
             tracing::info!(table = name.as_str(), keys = loaded.len(), version = loaded.covered(), took = ?started.elapsed(), "Fresh-key ledger loaded.");
             *ledger = Some(loaded);
         }
@@ -682,7 +691,24 @@ impl LanceSink {
         let label = [name.as_str()];
         let mut written = None;
         // From here the ledger holds the batch's keys (see `admit`).
-        if l.admit(&rows) {
+        let fresh = match l.admit_rows(&rows) {
+            fresh::Admitted::Fresh => true,
+            fresh::Admitted::Known => false,
+            fresh::Admitted::Suspect(rows) => {
+                // A few keys the filter of forgotten keys may hold: the
+                // batch is fresh unless the table has one of them (for
+                // the same user). A key stored after `covered` makes the
+                // fresh commit conflict, as for any fresh batch.
+                let runtime = |e: Error| lancedb::Error::Runtime {
+                    message: format!("looking up suspect keys in {}: {e}", name.as_str()),
+                };
+                let pairs = pairs_at(batch, &rows).map_err(runtime)?;
+                let stored = self.stored_turns(name, &pairs).await.map_err(runtime)?;
+                self.metrics.suspect_lookups.with_label_values(&label).inc();
+                stored.is_empty()
+            }
+        };
+        if fresh {
             let dataset = handle.get().await?;
             let hashes = rows.iter().map(|r| r.0);
             match fresh::commit_fresh(dataset, key, batch.clone(), hashes, l.covered()).await {
@@ -782,8 +808,69 @@ impl LanceSink {
         Ok(out)
     }
 
-    /// The stored vector of each of the dialogue turns `keys` (from
-    /// `turn_vectors`; turns without one are absent from the map).
+    /// Which of `keys` (`(user_id, event_id)`) a per-user table holds, with
+    /// `column` (`None` where null): a stored row is only ever another row
+    /// of the same user (docs/security.md).
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if the query fails.
+    async fn stored_pairs(
+        &self,
+        name: TableName,
+        keys: &[(&str, &str)],
+        column: &str,
+    ) -> Result<HashMap<(String, String), Option<ArrayRef>>> {
+        use arrow_array::Array;
+
+        let wanted: std::collections::HashSet<(&str, &str)> = keys.iter().copied().collect();
+        let mut ids: Vec<&str> = keys.iter().map(|k| k.1).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut out = HashMap::new();
+        let columns = ["event_id", "user_id", column];
+        for b in lookup(self.table(name), "event_id", &ids, &columns, None).await? {
+            let (Some(ev), Some(user), Some(col)) = (
+                b.column_by_name("event_id"),
+                b.column_by_name("user_id"),
+                b.column_by_name(column),
+            ) else {
+                continue;
+            };
+            let (ev, user) = (ev.as_string::<i32>(), user.as_string::<i32>());
+            for i in 0..b.num_rows() {
+                if !wanted.contains(&(user.value(i), ev.value(i))) {
+                    continue;
+                }
+                let value = col.is_valid(i).then(|| col.slice(i, 1));
+                out.insert((user.value(i).to_owned(), ev.value(i).to_owned()), value);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The stored `(timestamp, event_id)` of each of `keys` (`(user_id,
+    /// event_id)`) that a per-user table holds.
+    ///
+    /// # Errors
+    /// [`Error::Lance`] if the query fails.
+    pub async fn stored_turns(
+        &self,
+        name: TableName,
+        keys: &[(&str, &str)],
+    ) -> Result<HashMap<(String, String), i64>> {
+        Ok(self
+            .stored_pairs(name, keys, "timestamp")
+            .await?
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v?.as_primitive::<TimestampMillisecondType>().value(0))))
+            .collect())
+    }
+
+    /// The stored vector of each of the dialogue turns `keys` (`(user_id,
+    /// event_id)`, from `turn_vectors`; turns without one are absent from
+    /// the map). Only the same user's row is ever reused: under 6e978f1 a
+    /// turn reusing another tenant's `event_id` was given that tenant's
+    /// vector.
     ///
     /// A replayed batch carries the vectors its first attempt stored, so the
     /// STEAM stage observes a replayed turn as it would have the first time,
@@ -791,30 +878,27 @@ impl LanceSink {
     ///
     /// # Errors
     /// [`Error::Lance`] if the query fails.
-    pub async fn stored_vectors(&self, keys: &[&str]) -> Result<HashMap<String, Vec<f32>>> {
-        use arrow_array::Array;
-
-        let mut out = HashMap::new();
-        let table = self.table(TableName::TurnVectors);
-        let columns = ["event_id", "embedding"];
-        for b in lookup(table, "event_id", keys, &columns, None).await? {
-            let (Some(ev), Some(emb)) =
-                (b.column_by_name("event_id"), b.column_by_name("embedding"))
-            else {
-                continue;
-            };
-            let (ev, emb) = (ev.as_string::<i32>(), emb.as_fixed_size_list());
-            for i in (0..b.num_rows()).filter(|&i| emb.is_valid(i)) {
-                let v = emb.value(i);
-                out.insert(
-                    ev.value(i).to_owned(),
-                    v.as_primitive::<arrow_array::types::Float32Type>()
+    pub async fn stored_vectors(
+        &self,
+        keys: &[(&str, &str)],
+    ) -> Result<HashMap<(String, String), Vec<f32>>> {
+        Ok(self
+            .stored_pairs(TableName::TurnVectors, keys, "embedding")
+            .await?
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let v = v?;
+                let list = v.as_fixed_size_list();
+                let values = list.value(0);
+                Some((
+                    k,
+                    values
+                        .as_primitive::<arrow_array::types::Float32Type>()
                         .values()
                         .to_vec(),
-                );
-            }
-        }
-        Ok(out)
+                ))
+            })
+            .collect())
     }
 
     /// The stored dialogue turns of `sessions` (user, session):
@@ -933,12 +1017,14 @@ async fn dedup_insert_absent(
         message: format!("deduplicating a batch for {}: {e}", name.as_str()),
     })?;
     let n = batch.num_rows() as u64;
-    let (i, u, v) = insert_absent(table, name.key(), batch, rows.iter().map(|r| r.0)).await?;
+    let (i, u, v) = insert_absent(table, name, batch, rows.iter().map(|r| r.0)).await?;
     Ok((n, i, u, v))
 }
 
-/// Inserts the rows of `batch` whose `key` is not in `table` yet (keys unique
-/// within the batch), in one commit; returns `(inserted, 0, version)`.
+/// Inserts the rows of `batch` whose key ([`TableName::key_columns`]: the
+/// pair `(event_id, user_id)`) is not in `table` yet (keys unique within
+/// the batch), in one commit; returns `(inserted, 0, version)`. Both
+/// columns carry a BTree index, so lance probes both and joins on the pair.
 ///
 /// LanceDB's `merge_insert` finds the present keys through the key's BTree
 /// index, but that path commits without naming the keys it inserted (lance
@@ -951,11 +1037,11 @@ async fn dedup_insert_absent(
 /// keys makes this one conflict, and the retry finds the keys present.
 async fn insert_absent(
     table: &Table,
-    key: &str,
+    name: TableName,
     batch: RecordBatch,
     hashes: impl Iterator<Item = u64> + Clone,
 ) -> lancedb::Result<(u64, u64, u64)> {
-    merge_keyed(table, key, batch, hashes, None).await
+    merge_keyed(table, name.key_columns(), batch, hashes, None).await
 }
 
 /// Upserts `batch` by `key` (keys unique within the batch): new keys are
@@ -970,14 +1056,18 @@ async fn upsert_newer(
     batch: RecordBatch,
     hashes: impl Iterator<Item = u64> + Clone,
 ) -> lancedb::Result<(u64, u64, u64)> {
-    merge_keyed(table, key, batch, hashes, Some(NEWER)).await
+    merge_keyed(table, &[key], batch, hashes, Some(NEWER)).await
 }
 
 /// The merge of [`insert_absent`] (`update_if` None: matched rows are kept)
-/// or [`upsert_newer`] (matched rows replaced where `update_if` holds).
+/// or [`upsert_newer`] (matched rows replaced where `update_if` holds), on
+/// the columns `on`. The commit names the hashes of the first column's
+/// values (`hashes`): two writers inserting one `event_id` for different
+/// users conflict needlessly, and the retry finds the other's row is not
+/// its pair.
 async fn merge_keyed(
     table: &Table,
-    key: &str,
+    on: &[&str],
     batch: RecordBatch,
     hashes: impl Iterator<Item = u64> + Clone,
     update_if: Option<&str>,
@@ -990,7 +1080,11 @@ async fn merge_keyed(
     loop {
         attempt += 1;
         let dataset = handle.get().await?;
-        let mut job = MergeInsertBuilder::try_new(dataset.clone(), vec![key.to_owned()])?;
+        let key = on[0];
+        let mut job = MergeInsertBuilder::try_new(
+            dataset.clone(),
+            on.iter().map(|c| (*c).to_owned()).collect(),
+        )?;
         job.when_matched(match update_if {
             Some(expr) => WhenMatched::update_if(&dataset, expr)?,
             None => WhenMatched::DoNothing,
@@ -1032,6 +1126,23 @@ async fn merge_keyed(
             Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// The `(user_id, event_id)` of `rows` of `batch`.
+fn pairs_at<'a>(batch: &'a RecordBatch, rows: &[usize]) -> Result<Vec<(&'a str, &'a str)>> {
+    let col = |n: &str| {
+        batch
+            .column_by_name(n)
+            .map(|c| c.as_string::<i32>())
+            .ok_or_else(|| Error::Internal {
+                message: format!("a per-user batch lacks {n}"),
+            })
+    };
+    let (users, ids) = (col("user_id")?, col("event_id")?);
+    Ok(rows
+        .iter()
+        .map(|&r| (users.value(r), ids.value(r)))
+        .collect())
 }
 
 /// Why `table` has no lance dataset handle (`Table::dataset`).
@@ -1076,6 +1187,10 @@ fn dedup_absent(
         .column_by_name(key)
         .ok_or_else(lacks)?
         .as_string::<i32>();
+    let users = batch
+        .column_by_name("user_id")
+        .ok_or_else(lacks)?
+        .as_string::<i32>();
     let mut first =
         fresh::HashMap::<u64, u32>::with_capacity_and_hasher(rows.len(), Default::default());
     let mut repeats = Vec::new();
@@ -1085,8 +1200,10 @@ fn dedup_absent(
                 v.insert(i as u32);
             }
             Entry::Occupied(o) => {
-                if keys.value(*o.get() as usize) != keys.value(i) {
-                    // Two keys with one 64-bit hash: compare the keys.
+                let j = *o.get() as usize;
+                if keys.value(j) != keys.value(i) || users.value(j) != users.value(i) {
+                    // Two keys with one 64-bit hash, or one event_id of two
+                    // users (both are stored): the general dedup.
                     return general();
                 }
                 repeats.push(i);
@@ -1106,8 +1223,9 @@ fn dedup_absent(
     Ok((batch, rows))
 }
 
-/// Removes rows whose key repeats within the batch: for interactions the
-/// first occurrence stays; for items and profiles the newest by
+/// Removes rows whose key ([`TableName::key_columns`]) repeats within the
+/// batch: for the per-user tables the first occurrence of each
+/// `(event_id, user_id)` stays; for items and profiles the newest by
 /// `(timestamp, event_id)`. merge_insert requires unique source keys.
 pub(crate) fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch> {
     let col = |n: &str| {
@@ -1119,9 +1237,23 @@ pub(crate) fn dedup(name: TableName, batch: &RecordBatch) -> Result<RecordBatch>
     let mut keep: HashMap<&str, u32> = HashMap::with_capacity(batch.num_rows());
     match name {
         TableName::Interactions | TableName::TurnVectors | TableName::Passages => {
+            // By (user_id, event_id): one event_id of two users is two rows.
+            let users = col("user_id")?.as_string::<i32>();
+            let mut pairs: HashMap<(&str, &str), u32> = HashMap::with_capacity(batch.num_rows());
             for (i, k) in keys.iter().enumerate() {
-                keep.entry(k.unwrap_or_default()).or_insert(i as u32);
+                pairs
+                    .entry((k.unwrap_or_default(), users.value(i)))
+                    .or_insert(i as u32);
             }
+            if pairs.len() == batch.num_rows() {
+                return Ok(batch.clone());
+            }
+            let mut idx: Vec<u32> = pairs.into_values().collect();
+            idx.sort_unstable();
+            return Ok(arrow_select::take::take_record_batch(
+                batch,
+                &UInt32Array::from(idx),
+            )?);
         }
         TableName::Items | TableName::Profiles => {
             let ts = col("timestamp")?.as_primitive::<TimestampMillisecondType>();
@@ -1840,11 +1972,128 @@ mod tests {
             .unwrap();
         assert_eq!(items.len(), 2, "{items:?}");
         assert_eq!(items["it-e'2"], (20, "e'2".to_owned()));
+        // Per user: another user's row under the same event_id is not it.
         let seen = s
-            .stored_versions(TableName::Interactions, &["c'1", "nope"])
+            .stored_turns(
+                TableName::Interactions,
+                &[("u", "c'1"), ("u", "nope"), ("other", "c'1")],
+            )
             .await
             .unwrap();
-        assert_eq!(seen.keys().collect::<Vec<_>>(), vec!["c'1"]);
+        assert_eq!(
+            seen,
+            HashMap::from([(("u".to_owned(), "c'1".to_owned()), 1000)])
+        );
+    }
+
+    /// Issue 44, item 4, as the issue gives it: with four keys remembered,
+    /// e1…e5 (one batch each) push e1 out of the ledger; e1 re-sent with a
+    /// newer timestamp beside a new event is looked up (key by key, not the
+    /// whole batch) and stored once. Under 6e978f1 `interactions` held e1
+    /// twice.
+    #[tokio::test]
+    async fn a_re_send_of_a_forgotten_event_with_a_newer_timestamp_is_stored_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = LanceDbConfig {
+            fresh_keys: 4,
+            ..lancedb_config(dir.path())
+        };
+        let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+        let at = |id: &str, ts: i64| {
+            format!(
+                r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"u","item_id":"i"}}"#
+            )
+        };
+        for n in 1..=5 {
+            let b = batches(&[at(&format!("e{n}"), n * 1000)]);
+            s.write(TableName::Interactions, b.interactions.as_ref().unwrap())
+                .await
+                .unwrap();
+        }
+        let b = batches(&[at("e1", 9000), at("e6", 9000)]);
+        let stats = s
+            .write(TableName::Interactions, b.interactions.as_ref().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(stats.inserted, 1, "{stats:?}");
+        assert_eq!(count(&s, TableName::Interactions).await, 6);
+        let lookups = s
+            .metrics
+            .suspect_lookups
+            .with_label_values(&["interactions"])
+            .get();
+        assert_eq!(lookups, 1, "e1 alone was looked up");
+    }
+
+    /// Issue 44, item 2: an `event_id` is unique per user, not table-wide.
+    /// Another tenant's row under the same `event_id`, written first, neither
+    /// hides this one (under 6e978f1 it was dropped as a duplicate) nor
+    /// stands in for it; a re-send of either is still stored once, on the
+    /// fresh path and on the exact path alike.
+    #[tokio::test]
+    async fn one_event_id_of_two_users_is_two_rows_and_each_is_stored_once() {
+        let (_dir, s) = sink().await;
+        let turn = |user: &str, id: &str, text: &str| {
+            format!(
+                r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":1000,"user_id":"{user}","session_id":"s","role":"user","text":"{text}"}}"#
+            )
+        };
+        let write = |events: Vec<String>| {
+            let s = &s;
+            async move {
+                let b = batches(&events);
+                s.write(TableName::Interactions, b.interactions.as_ref().unwrap())
+                    .await
+                    .unwrap()
+            }
+        };
+        // The squatter first, then the owner (fresh path: a new key each).
+        assert_eq!(
+            write(vec![turn("globex:eve", "acme-d-2", "squat")])
+                .await
+                .inserted,
+            1
+        );
+        assert_eq!(
+            write(vec![turn("acme:ann", "acme-d-2", "mine")])
+                .await
+                .inserted,
+            1
+        );
+        // Both in one batch, with a re-send of each (the exact path).
+        let stats = write(vec![
+            turn("acme:ann", "acme-d-3", "a"),
+            turn("globex:eve", "acme-d-3", "b"),
+            turn("acme:ann", "acme-d-3", "a"),
+            turn("globex:eve", "acme-d-2", "squat again"),
+        ])
+        .await;
+        assert_eq!(stats.inserted, 2, "{stats:?}");
+        assert_eq!(
+            write(vec![turn("acme:ann", "acme-d-2", "re-sent")])
+                .await
+                .inserted,
+            0
+        );
+        let rows = s
+            .stored_turns(
+                TableName::Interactions,
+                &[
+                    ("acme:ann", "acme-d-2"),
+                    ("globex:eve", "acme-d-2"),
+                    ("acme:ann", "acme-d-3"),
+                    ("globex:eve", "acme-d-3"),
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rows.len(), 4, "{rows:?}");
+        let n = s
+            .table(TableName::Interactions)
+            .count_rows(None)
+            .await
+            .unwrap();
+        assert_eq!(n, 4);
     }
 
     #[tokio::test]

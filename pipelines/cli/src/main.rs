@@ -629,9 +629,10 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
         }
         Cmd::Migrate { config } => {
             let config = Config::load(config.as_deref())?;
-            let report = steamrf_pipelines::migrate::migrate(&config.lancedb)
-                .await
-                .context("migrate")?;
+            let report =
+                steamrf_pipelines::migrate::migrate(&config.lancedb, config.tenancy.separator())
+                    .await
+                    .context("migrate")?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(ExitCode::SUCCESS)
         }
