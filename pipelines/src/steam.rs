@@ -12,7 +12,7 @@
 //! Replays are idempotent: observations whose event is already linked change
 //! nothing, and on start the state is restored from the tables.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -33,10 +33,11 @@ use steamrf_operators::llm::{
 };
 use steamrf_operators::steam::memory::{Memory, Observation};
 use steamrf_operators::steam::relations::Link;
-use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
+use steamrf_operators::steam::{ItemFacts, LinkOutcome, MemoryId, SteamParams, SteamState};
 use steamrf_schemas::TableBatches;
 use steamrf_schemas::memory::MemoryTable;
 use steamrf_schemas::tables::{EMBEDDING_DIM, embedding_field};
+use steamrf_schemas::tenancy::tenant_of;
 
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -47,14 +48,6 @@ const PERSIST_ATTEMPTS: u32 = 8;
 
 /// The `items` columns an item's metadata is read from.
 const ITEM_COLUMNS: &[&str] = &["item_id", "title", "categories", "embedding"];
-
-/// An item's metadata and embedding, for observations of clicks and purchases.
-#[derive(Debug, Clone)]
-struct ItemMeta {
-    title: String,
-    categories: Vec<String>,
-    embedding: Vec<f32>,
-}
 
 /// What one batch did.
 #[derive(Debug, Clone, Copy, Default)]
@@ -92,7 +85,9 @@ pub struct SteamForget {
 pub struct SteamStage {
     state: SteamState,
     kernel: Arc<dyn SimilarityKernel>,
-    items: HashMap<String, ItemMeta>,
+    /// Item embeddings, for observations of clicks and purchases (their
+    /// titles and categories are in the state's catalogue).
+    items: HashMap<String, Vec<f32>>,
     memories: Table,
     links: Table,
     prototypes: Table,
@@ -345,22 +340,68 @@ impl SteamStage {
             // Coverage is unknown after a restart: brought up to date after the first write.
             memories_unindexed: std::sync::atomic::AtomicU64::new(MEMORY_REINDEX_ROWS),
         };
-        stage.state = load_state(&stage.memories, &stage.links, params).await?;
         // Created here if no ingest instance has yet (the community writer
-        // may start first).
+        // may start first). Read before the memories: prototypes are built
+        // from the catalogue's titles and categories.
         let items = crate::sink::open_or_create(db, steamrf_schemas::TableName::Items).await?;
         for b in scan(&items, ITEM_COLUMNS).await? {
             stage.remember_items(&b);
         }
         stage.items_table = Some(items);
+        let empty = stage.state.emptied();
+        stage.state = load_state(&stage.memories, &stage.links, empty).await?;
+        let rewritten = if stage.publish.is_none() {
+            stage.reconcile_prototypes().await?
+        } else {
+            0
+        };
         tracing::info!(
             memories = stage.state.len(),
             communities = stage.state.communities().count(),
             items = stage.items.len(),
+            prototypes_rewritten = rewritten,
             took = ?started.elapsed(),
             "STEAM state restored."
         );
         Ok(stage)
+    }
+
+    /// Brings the stored prototypes' content to what this build publishes:
+    /// rows written by a steamrf before 2026-12-05 quoted members' own
+    /// titles and dialogue snippets (docs/security.md). Without an LLM a
+    /// stored content other than the rebuilt deterministic one is rewritten;
+    /// with one, only rows missing from the table are written (an LLM text
+    /// cannot be told from an old one; see docs/security.md for a rebuild).
+    /// On an up-to-date table it writes nothing. Returns the rows written.
+    async fn reconcile_prototypes(&self) -> Result<usize> {
+        let mut stored: HashMap<MemoryId, String> = HashMap::new();
+        for b in scan(&self.prototypes, &["prototype_id", "content"]).await? {
+            let (id, content) = (
+                b.column(0).as_primitive::<Int64Type>(),
+                b.column(1).as_string::<i32>(),
+            );
+            for r in 0..b.num_rows() {
+                stored.insert(id.value(r) as MemoryId, content.value(r).to_owned());
+            }
+        }
+        let stale: Vec<_> = self
+            .state
+            .prototypes()
+            .filter(|p| match stored.get(&p.id) {
+                None => true,
+                Some(c) => self.llm.is_none() && *c != p.content,
+            })
+            .cloned()
+            .collect();
+        if stale.is_empty() {
+            return Ok(0);
+        }
+        let link = LinkOutcome {
+            prototypes: stale,
+            ..LinkOutcome::default()
+        };
+        upsert(&self.prototypes, "prototype_id", prototypes_batch(&link)?).await?;
+        Ok(link.prototypes.len())
     }
 
     fn remember_items(&mut self, b: &RecordBatch) {
@@ -374,15 +415,15 @@ impl SteamStage {
         };
         let (id, title) = (id.as_string::<i32>(), title.as_string::<i32>());
         for r in 0..b.num_rows() {
+            self.state.learn_item(
+                id.value(r),
+                ItemFacts {
+                    title: title.value(r).to_owned(),
+                    categories: strings(cats, r),
+                },
+            );
             if let Some(embedding) = vector(emb, r).map(<[f32]>::to_vec) {
-                self.items.insert(
-                    id.value(r).to_owned(),
-                    ItemMeta {
-                        title: title.value(r).to_owned(),
-                        categories: strings(cats, r),
-                        embedding,
-                    },
-                );
+                self.items.insert(id.value(r).to_owned(), embedding);
             }
         }
     }
@@ -390,13 +431,27 @@ impl SteamStage {
     /// Reads the items `b`'s interactions refer to that are not known here
     /// yet from the `items` table (by its key index).
     async fn fetch_unknown_items(&mut self, b: &RecordBatch) -> Result<()> {
-        let (Some(items), Some(col)) = (&self.items_table, b.column_by_name("item_id")) else {
+        let Some(col) = b.column_by_name("item_id") else {
             return Ok(());
         };
         let col = col.as_string::<i32>();
-        let mut unknown: Vec<String> = (0..b.num_rows())
-            .filter(|&r| col.is_valid(r) && !self.items.contains_key(col.value(r)))
-            .map(|r| col.value(r).to_owned())
+        let ids: Vec<&str> = (0..b.num_rows())
+            .filter(|&r| col.is_valid(r))
+            .map(|r| col.value(r))
+            .collect();
+        self.fetch_items(ids).await
+    }
+
+    /// Reads the items among `ids` not in the catalogue here yet from the
+    /// `items` table (by its key index).
+    async fn fetch_items<'a>(&mut self, ids: impl IntoIterator<Item = &'a str>) -> Result<()> {
+        let Some(items) = &self.items_table else {
+            return Ok(());
+        };
+        let mut unknown: Vec<String> = ids
+            .into_iter()
+            .filter(|i| !self.items.contains_key(*i) || self.state.item(i).is_none())
+            .map(str::to_owned)
             .collect();
         unknown.sort_unstable();
         unknown.dedup();
@@ -446,7 +501,8 @@ impl SteamStage {
                         .await
                         .map_err(Error::lance("refreshing memories"))?;
                 }
-                self.state = load_state(&self.memories, &self.links, *self.state.params()).await?;
+                let empty = self.state.emptied();
+                self.state = load_state(&self.memories, &self.links, empty).await?;
                 self.assignments_seen = assigned;
                 tracing::info!(
                     memories = self.state.len(),
@@ -485,15 +541,18 @@ impl SteamStage {
                 col("role")?.as_string::<i32>(),
                 col("text")?.as_string::<i32>(),
             );
-            // Each turn's vector, from the batch's `turn_vectors` rows.
-            let mut turn_vectors: HashMap<&str, &[f32]> = HashMap::new();
+            // Each turn's vector, from the batch's `turn_vectors` rows, by
+            // (user, event): one event_id may be two users' turns.
+            let mut turn_vectors: HashMap<(&str, &str), &[f32]> = HashMap::new();
             if let Some(tv) = &tables.turn_vectors {
-                let ids = tv
-                    .column_by_name("event_id")
-                    .ok_or_else(|| Error::Internal {
-                        message: "turn_vectors batch lacks event_id".into(),
-                    })?
-                    .as_string::<i32>();
+                let tv_col = |n: &str| {
+                    tv.column_by_name(n)
+                        .map(|c| c.as_string::<i32>())
+                        .ok_or_else(|| Error::Internal {
+                            message: format!("turn_vectors batch lacks {n}"),
+                        })
+                };
+                let (ids, users) = (tv_col("event_id")?, tv_col("user_id")?);
                 let emb = tv
                     .column_by_name("embedding")
                     .ok_or_else(|| Error::Internal {
@@ -501,7 +560,7 @@ impl SteamStage {
                     })?;
                 for r in 0..tv.num_rows() {
                     if let Some(v) = vector(emb, r) {
-                        turn_vectors.insert(ids.value(r), v);
+                        turn_vectors.insert((users.value(r), ids.value(r)), v);
                     }
                 }
             }
@@ -513,27 +572,32 @@ impl SteamStage {
                         if role.is_null(r) || role.value(r) != "user" {
                             continue;
                         }
-                        turn_vectors.get(event.value(r)).map(|e| Observation {
-                            embedding: e.to_vec(),
-                            event_id: event.value(r).to_owned(),
-                            timestamp_ms: ts.value(r),
-                            item_id: None,
-                            title: None,
-                            categories: Vec::new(),
-                            text: text.is_valid(r).then(|| text.value(r).to_owned()),
-                        })
+                        turn_vectors
+                            .get(&(user.value(r), event.value(r)))
+                            .map(|e| Observation {
+                                embedding: e.to_vec(),
+                                event_id: event.value(r).to_owned(),
+                                timestamp_ms: ts.value(r),
+                                item_id: None,
+                                title: None,
+                                categories: Vec::new(),
+                                text: text.is_valid(r).then(|| text.value(r).to_owned()),
+                            })
                     }
                     _ => (!item.is_null(r))
                         .then(|| self.items.get(item.value(r)))
                         .flatten()
-                        .map(|m| Observation {
-                            event_id: event.value(r).to_owned(),
-                            timestamp_ms: ts.value(r),
-                            embedding: m.embedding.clone(),
-                            item_id: Some(item.value(r).to_owned()),
-                            title: Some(m.title.clone()),
-                            categories: m.categories.clone(),
-                            text: None,
+                        .map(|embedding| {
+                            let facts = self.state.item(item.value(r));
+                            Observation {
+                                event_id: event.value(r).to_owned(),
+                                timestamp_ms: ts.value(r),
+                                embedding: embedding.clone(),
+                                item_id: Some(item.value(r).to_owned()),
+                                title: facts.map(|f| f.title.clone()),
+                                categories: facts.map(|f| f.categories.clone()).unwrap_or_default(),
+                                text: None,
+                            }
                         }),
                 };
                 match obs {
@@ -579,6 +643,13 @@ impl SteamStage {
         let started = Instant::now();
         let mut stats = SteamStats::default();
         let mut changed: Vec<MemoryId> = Vec::with_capacity(memories.len());
+        // Prototypes name the items their users share, from the catalogue:
+        // items another instance learned since are read first.
+        let ids: BTreeSet<String> = memories
+            .iter()
+            .flat_map(|m| m.items.iter().cloned())
+            .collect();
+        self.fetch_items(ids.iter().map(String::as_str)).await?;
         for m in memories {
             changed.push(m.id);
             self.state.restore_memory(m).map_err(kernel_err)?;
@@ -647,9 +718,27 @@ impl SteamStage {
                 memory_ids: gone.clone(),
             })
             .await?;
+            // The prototypes the user's memories are members of are
+            // withdrawn now, not when the writer reads the tombstone: it may
+            // be down for longer than the tombstone lives, and until then
+            // they would go on counting the user and naming items the user
+            // chose to every other member (docs/security.md). The writer
+            // rebuilds them without the user.
+            let doomed: Vec<MemoryId> = self
+                .prototype_members()
+                .await?
+                .into_iter()
+                .filter(|(_, members)| members.iter().any(|m| gone.contains(m)))
+                .map(|(id, _)| id)
+                .collect();
+            if !doomed.is_empty() {
+                let listed = format!("prototype_id IN ({})", id_list(&doomed));
+                out.prototypes_withdrawn =
+                    crate::forget::delete_counted(&self.prototypes, &listed).await?;
+            }
             out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
             out.note = Some(
-                "steam.communities = \"topic\": the links and prototypes go when `steamrf communities` reads the tombstone published to the changes topic (it logs its own receipt)".into(),
+                "steam.communities = \"topic\": the user's memories and the prototypes they were members of are gone; the links go and the prototypes are rebuilt without the user when `steamrf communities` reads the tombstone published to the changes topic (it logs its own receipt)".into(),
             );
             return Ok(out);
         }
@@ -818,11 +907,16 @@ impl SteamStage {
             }
         }
         for p in &link.prototypes {
+            // Only what enough members share; nothing shared, nothing to say
+            // (an LLM given nothing would invent).
             let d = self.state.digest(&p.members, 8);
+            if d.titles.is_empty() && d.facets.is_empty() {
+                continue;
+            }
             prompts.push((
                 true,
                 p.id,
-                render(PROTOTYPE_PROMPT, &d.facets, &d.recent, ""),
+                render(PROTOTYPE_PROMPT, &d.facets, &d.titles, ""),
             ));
         }
         let calls = prompts.iter().map(|(_, _, p)| {
@@ -969,7 +1063,7 @@ impl SteamStage {
             ids.dedup();
             let mems: Vec<&Memory> = ids.iter().filter_map(|&id| self.state.memory(id)).collect();
             let batch = memories_batch(&mems)?;
-            upsert(&self.memories, "memory_id", batch.clone()).await?;
+            upsert_owned(&self.memories, batch.clone()).await?;
             self.maybe_reindex_memories(batch.num_rows() as u64).await?;
             if let Some(p) = &self.publish {
                 // The table first: a change the writer sees is always durable.
@@ -1063,29 +1157,42 @@ pub fn memories_from(b: &RecordBatch) -> Result<Vec<Memory>> {
 }
 
 /// Rebuilds a [`SteamState`] from the `memories` and `memory_links` tables
-/// (communities and deterministic prototypes recomputed). The pipeline
-/// restores its state with it on start, and the retrieval service reads the
-/// tables with it.
+/// into `state` (empty, holding the item catalogue the deterministic
+/// prototypes are built from; communities and prototypes recomputed). The
+/// pipeline restores its state with it on start and after a rebalance.
 ///
 /// # Errors
 /// LanceDB failures.
 pub async fn load_state(
     memories: &Table,
     links: &Table,
-    params: SteamParams,
+    mut state: SteamState,
 ) -> Result<SteamState> {
-    let mut state = SteamState::new(params, EMBEDDING_DIM);
     for b in scan(memories, MEMORY_COLUMNS).await? {
         for m in memories_from(&b)? {
             state.restore_memory(m).map_err(kernel_err)?;
         }
     }
     let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
-    for b in scan(links, &["from_id", "to_id", "score"]).await? {
+    let separator = state.params().tenant_separator;
+    let mut crossing = 0u64;
+    for b in scan(
+        links,
+        &["from_id", "to_id", "score", "from_user", "to_user"],
+    )
+    .await?
+    {
         let from = b.column(0).as_primitive::<Int64Type>();
         let to = b.column(1).as_primitive::<Int64Type>();
         let score = b.column(2).as_primitive::<Float32Type>();
+        let (from_user, to_user) = (
+            b.column(3).as_string::<i32>(),
+            b.column(4).as_string::<i32>(),
+        );
         for r in 0..b.num_rows() {
+            if tenant_of(from_user.value(r), separator) != tenant_of(to_user.value(r), separator) {
+                crossing += 1;
+            }
             by_from.entry(from.value(r) as u64).or_default().push(Link {
                 from: from.value(r) as u64,
                 to: to.value(r) as u64,
@@ -1093,11 +1200,31 @@ pub async fn load_state(
             });
         }
     }
+    if crossing > 0 {
+        // Written under another `tenancy.separator` (or before one was
+        // set): restored, these links would join communities across
+        // tenants, and their prototypes would speak of one tenant's users
+        // to another's.
+        return Err(Error::Config {
+            problems: vec![crossing_tenants(crossing, separator)],
+        });
+    }
     for (from, links) in by_from {
         state.restore_links(from, links);
     }
     state.rebuild();
     Ok(state)
+}
+
+/// The start-up refusal for `n` stored links between tenants.
+pub(crate) fn crossing_tenants(n: u64, separator: Option<char>) -> String {
+    format!(
+        "memory_links holds {n} links between users of different tenants under \
+         tenancy.separator = {separator:?} (tables written under another separator, \
+         or before one was set); stop every ingest instance and the community writer \
+         and run `steamrf migrate` (same config): it deletes those links and the \
+         prototypes built across them, and the STEAM stage rebuilds its communities"
+    )
 }
 
 /// `ids` as a SQL list body: `1,2,3`.
@@ -1118,6 +1245,61 @@ async fn delete_ids(table: &Table, column: &str, ids: &[MemoryId]) -> Result<()>
         .await
         .map_err(Error::lance(format!("deleting from {}", table.name())))?;
     Ok(())
+}
+
+/// Upserts memories by `memory_id`, never over a row another user owns: a
+/// colliding id (forged, or by chance, or formed by another instance that
+/// had not seen the stored one) leaves the stored memory and its owner as
+/// they were. The owners are read first (through the `memory_id` index); a
+/// row another instance writes between that read and the upsert is not
+/// seen (each instance's state refuses such ids too).
+async fn upsert_owned(table: &Table, batch: RecordBatch) -> Result<()> {
+    if batch.num_rows() == 0 {
+        return Ok(());
+    }
+    let col = |n: &str| {
+        batch.column_by_name(n).ok_or_else(|| Error::Internal {
+            message: format!("a memories batch lacks {n}"),
+        })
+    };
+    let (ids, users) = (
+        col("memory_id")?.as_primitive::<Int64Type>(),
+        col("user_id")?.as_string::<i32>(),
+    );
+    let list: Vec<MemoryId> = ids.values().iter().map(|&v| v as MemoryId).collect();
+    let stored: Vec<RecordBatch> = table
+        .query()
+        .only_if(format!("memory_id IN ({})", id_list(&list)))
+        .select(Select::columns(&["memory_id", "user_id"]))
+        .execute()
+        .await
+        .map_err(Error::lance("reading memory owners"))?
+        .try_collect()
+        .await
+        .map_err(Error::lance("reading memory owners"))?;
+    let mut owner: HashMap<i64, String> = HashMap::new();
+    for b in &stored {
+        let (i, u) = (
+            b.column(0).as_primitive::<Int64Type>(),
+            b.column(1).as_string::<i32>(),
+        );
+        for r in 0..b.num_rows() {
+            owner.insert(i.value(r), u.value(r).to_owned());
+        }
+    }
+    let keep: Vec<u32> = (0..batch.num_rows())
+        .filter(|&r| owner.get(&ids.value(r)).is_none_or(|o| o == users.value(r)))
+        .map(|r| r as u32)
+        .collect();
+    if keep.len() < batch.num_rows() {
+        tracing::warn!(
+            refused = batch.num_rows() - keep.len(),
+            "Memories whose ids another user holds in the table were not written."
+        );
+    }
+    let batch =
+        arrow_select::take::take_record_batch(&batch, &arrow_array::UInt32Array::from(keep))?;
+    upsert(table, "memory_id", batch).await
 }
 
 async fn upsert(table: &Table, key: &str, batch: RecordBatch) -> Result<()> {
