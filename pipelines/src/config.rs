@@ -119,6 +119,8 @@ pub struct ServeConfig {
     /// Time a client has to send its request body.
     #[serde(with = "humantime_serde_compat")]
     pub body_timeout: Duration,
+    /// Open connections at most; past it the service stops accepting.
+    pub max_connections: usize,
     /// `/readyz` fails once no refresh has succeeded for this long.
     #[serde(with = "humantime_serde_compat")]
     pub max_staleness: Duration,
@@ -437,6 +439,9 @@ pub struct KafkaConfig {
     pub create_dead_letter_topic: bool,
     /// Payload size limit.
     pub max_event_bytes: ByteSize,
+    /// How far ahead of the reader's clock an event may be stamped.
+    #[serde(with = "humantime_serde_compat")]
+    pub max_future_skew: Duration,
     /// librdkafka statistics interval (drives the lag gauge).
     #[serde(with = "humantime_serde_compat")]
     pub statistics_interval: Duration,
@@ -490,6 +495,9 @@ pub struct LanceDbConfig {
     /// Keys per insert-if-absent table remembered by the fresh-key ledger
     /// (`sink::fresh`); 0 looks every batch's keys up.
     pub fresh_keys: usize,
+    /// Bytes per insert-if-absent table of the Bloom filter of the keys the
+    /// fresh-key ledger forgot (`sink::fresh`).
+    pub fresh_filter_bytes: ByteSize,
     /// LanceDB's index cache, per process (its own default is 6 GiB).
     pub index_cache_size: ByteSize,
     /// LanceDB's metadata cache (manifests, fragment and file metadata), per
@@ -537,6 +545,7 @@ impl fmt::Debug for KafkaConfig {
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("create_dead_letter_topic", &self.create_dead_letter_topic)
             .field("max_event_bytes", &self.max_event_bytes)
+            .field("max_future_skew", &self.max_future_skew)
             .field("statistics_interval", &self.statistics_interval)
             .field("properties", &redacted(&self.properties))
             .finish()
@@ -550,6 +559,7 @@ impl fmt::Debug for LanceDbConfig {
             .field("optimize_interval", &self.optimize_interval)
             .field("reindex_rows", &self.reindex_rows)
             .field("fresh_keys", &self.fresh_keys)
+            .field("fresh_filter_bytes", &self.fresh_filter_bytes)
             .field("index_cache_size", &self.index_cache_size)
             .field("metadata_cache_size", &self.metadata_cache_size)
             .field("storage_options", &redacted(&self.storage_options))
@@ -1035,6 +1045,9 @@ impl Config {
         }
         if v.max_events == 0 {
             p.push("serve.max_events: must be > 0".to_owned());
+        }
+        if v.max_connections == 0 {
+            p.push("serve.max_connections: must be > 0".to_owned());
         }
         if let Some(h) = v.mcp_allowed_hosts.iter().find(|h| h.trim().is_empty()) {
             p.push(format!(

@@ -45,8 +45,12 @@ pub fn router(metrics: Metrics, ready: Arc<AtomicBool>) -> Router {
         )
 }
 
+/// Open connections the metrics server holds at most (scrapers and probes).
+const METRICS_CONNECTIONS: usize = 256;
+
 /// Serves the router until the task is aborted, closing connections that
-/// do not send their headers within 5 s (as `steamrf serve` does).
+/// do not send their headers within 5 s (as `steamrf serve` does), with at
+/// most [`METRICS_CONNECTIONS`] open.
 ///
 /// # Errors
 /// An I/O error from the listener.
@@ -59,6 +63,7 @@ pub async fn serve(
         listener,
         router(metrics, ready),
         std::time::Duration::from_secs(5),
+        METRICS_CONNECTIONS,
         std::future::pending(),
     )
     .await

@@ -323,6 +323,9 @@ pub fn dead_letter_producer(cfg: &KafkaConfig) -> Result<FutureProducer> {
     producer(cfg, "the dead-letter producer", None)
 }
 
+/// librdkafka's name for the Java client's default partitioner.
+pub const JAVA_PARTITIONER: &str = "murmur2_random";
+
 /// An idempotent producer (acks=all) with the consumer's client settings
 /// (brokers, security); `max_message_bytes` raises librdkafka's
 /// `message.max.bytes`.
@@ -356,6 +359,15 @@ pub fn producer(
     c.set("enable.idempotence", "true")
         .set("acks", "all")
         .set("linger.ms", "5");
+    // The Java client's partitioner (murmur2 of the key; keyless records
+    // spread at random): a user's events from steamrf (`POST /v1/events`,
+    // MCP `remember`, a forget) land on the partition a Java producer puts
+    // them on, so they stay in order with the user's other events
+    // (docs/events.md). librdkafka's own default (CRC32) would not. A
+    // `partitioner` in `kafka.properties` wins.
+    if c.get("partitioner").is_none() {
+        c.set("partitioner", JAVA_PARTITIONER);
+    }
     if let Some(n) = max_message_bytes {
         c.set("message.max.bytes", n.max(1_000_000).to_string());
     }
@@ -589,6 +601,8 @@ impl SourceLoop {
         let mut now = last_record;
         let mut idle_clock_running = false;
         let max_event_bytes = self.config.max_event_bytes.0;
+        let max_skew_ms =
+            i64::try_from(self.config.max_future_skew.as_millis()).unwrap_or(i64::MAX);
         let topics = self.config.topics.clone();
         // A local handle, so polled messages do not borrow `self`.
         let consumer = self.consumer.clone();
@@ -629,10 +643,14 @@ impl SourceLoop {
                     let payload = msg.payload().unwrap_or_default();
                     let produced = msg.timestamp().to_millis();
                     received.count(topic_idx, payload.len());
+                    let wall_ms = pending.clock.ms_at(now);
                     let decoded = if payload.len() > max_event_bytes {
                         Err(DecodeError::oversize(payload.len(), max_event_bytes))
                     } else {
-                        decode(payload)
+                        decode(payload).and_then(|e| {
+                            e.check_not_ahead(wall_ms, max_skew_ms)?;
+                            Ok(e)
+                        })
                     };
                     if let Ok(Event::Forget(f)) = &decoded {
                         // Everything polled before it is written first; the
@@ -680,7 +698,7 @@ impl SourceLoop {
                                 Provenance {
                                     partition: msg.partition(),
                                     offset: msg.offset(),
-                                    ingested_at_ms: pending.clock.ms_at(now),
+                                    ingested_at_ms: wall_ms,
                                 },
                             );
                             payload.len() + vectors * ROW_VECTOR_BYTES

@@ -127,7 +127,29 @@ impl Auth {
         })
     }
 
-    /// The scope of the `Authorization` header's bearer token.
+    /// [`Self::parse`], refusing a file without a single token: an emptied
+    /// or truncated file (a Secret being rewritten, a bad deploy) would
+    /// otherwise lock every client out. To turn authentication off, leave
+    /// `serve.tokens_file` empty.
+    ///
+    /// # Errors
+    /// As [`Self::parse`], and [`Error::Config`] for a file of no tokens.
+    pub fn parse_in_force(text: &str) -> Result<Self> {
+        let auth = Self::parse(text)?;
+        if auth.is_empty() {
+            return Err(Error::Config {
+                problems: vec![
+                    "serve.tokens_file holds no tokens (empty or truncated?); to turn \
+                     authentication off, leave serve.tokens_file empty"
+                        .into(),
+                ],
+            });
+        }
+        Ok(auth)
+    }
+
+    /// The scope of the `Authorization` header's bearer token. The scheme
+    /// is matched without regard to case (RFC 7235 § 2.1).
     ///
     /// # Errors
     /// [`Denied::Unauthenticated`] for a missing, malformed or unknown token.
@@ -136,8 +158,10 @@ impl Auth {
             return Ok(Scope::All);
         };
         let presented = authorization
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .map(str::trim)
+            .map(str::trim_start)
+            .and_then(|h| h.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, t)| t.trim())
             .ok_or(Denied::Unauthenticated)?;
         let mut found = None;
         // Every token is compared, so timing does not tell which matched.
@@ -176,6 +200,39 @@ mod tests {
             Err(Denied::Unauthenticated)
         );
         assert_eq!(Auth::open().scope(None), Ok(Scope::All));
+        // RFC 7235: the scheme is case-insensitive.
+        for h in [
+            "bearer acme-token-0123456789",
+            "BEARER acme-token-0123456789",
+            "Bearer   acme-token-0123456789 ",
+        ] {
+            assert!(a.scope(Some(h)).unwrap().allows("acme"), "{h}");
+        }
+        assert_eq!(
+            a.scope(Some("Bearer")),
+            Err(Denied::Unauthenticated),
+            "no token"
+        );
+        assert_eq!(
+            a.scope(Some("Bearer ")),
+            Err(Denied::Unauthenticated),
+            "an empty token"
+        );
+    }
+
+    #[test]
+    fn a_file_without_tokens_is_refused() {
+        for text in ["", "\n", "# all comments\n# nothing else\n"] {
+            assert!(Auth::parse(text).unwrap().is_empty());
+            let e = Auth::parse_in_force(text).unwrap_err().to_string();
+            assert!(e.contains("holds no tokens"), "{text:?}: {e}");
+        }
+        assert_eq!(
+            Auth::parse_in_force("acme-token-0123456789 acme\n")
+                .unwrap()
+                .len(),
+            1
+        );
     }
 
     #[test]

@@ -36,7 +36,7 @@ use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::lexical::{Bm25Index, Bm25Params};
 use steamrf_operators::passage::PassageIndex;
-use steamrf_operators::rank::{ItemCf, ItemText, Signals};
+use steamrf_operators::rank::{ItemText, Signals, TenantItemCf};
 use steamrf_operators::rfmem::VectorStore;
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::MemoryView;
@@ -194,8 +194,9 @@ pub struct Snapshot {
     pub load_time: Duration,
     /// BM25 over the catalogue's texts, when `serve.ranker.bm25` weighs it.
     pub text: Option<Arc<ItemText>>,
-    /// Users per item, when `serve.ranker` weighs item-CF or popularity.
-    pub item_cf: Option<Arc<ItemCf>>,
+    /// Users per item, per tenant, when `serve.ranker` weighs item-CF or
+    /// popularity.
+    pub item_cf: Option<Arc<TenantItemCf>>,
     /// When `item_cf` was read, and the `interactions` version it read.
     pub item_cf_at: Option<(Instant, u64)>,
 }
@@ -219,10 +220,12 @@ impl Snapshot {
         }
     }
 
-    /// What the ranker's non-STEAM signals are computed from.
-    pub fn signals(&self) -> Signals<'_> {
+    /// What the ranker's non-STEAM signals for `user_id` are computed from:
+    /// the catalogue's texts, and the item statistics of the user's tenant
+    /// only.
+    pub fn signals(&self, user_id: &str) -> Signals<'_> {
         Signals {
-            item_cf: self.item_cf.as_deref(),
+            item_cf: self.item_cf.as_deref().and_then(|cf| cf.of(user_id)),
             text: self.text.as_deref(),
         }
     }
@@ -251,6 +254,8 @@ pub struct View {
     pub user: Arc<UserData>,
     /// Members of the prototypes the user's memories are in.
     pub members: Vec<Arc<Members>>,
+    /// `tenancy.separator`: members of another tenant never count.
+    pub separator: Option<char>,
 }
 
 impl MemoryView for View {
@@ -270,6 +275,9 @@ impl MemoryView for View {
             .iter()
             .find(|m| m.id == id)
             .or_else(|| self.members.iter().find_map(|g| g.memories.get(&id)))
+    }
+    fn tenant_separator(&self) -> Option<char> {
+        self.separator
     }
     fn item_vector(&self, item: &str) -> Option<&[f32]> {
         self.snap.items.get(item).map(|i| i.embedding.as_slice())
@@ -535,6 +543,8 @@ pub struct SignalSources {
     pub item_template: Option<String>,
     /// Users per item from `interactions`, re-read at most this often.
     pub item_cf: Option<Duration>,
+    /// `tenancy.separator`: the item statistics are kept per tenant.
+    pub tenant_separator: Option<char>,
 }
 
 /// The `interactions` columns a corpus is built from, in the order `build` reads them.
@@ -600,11 +610,12 @@ impl Tables {
         self.signals.item_cf
     }
 
-    /// Users per item from every `interactions` row with an item.
+    /// Users per item from every `interactions` row with an item, per
+    /// tenant.
     ///
     /// # Errors
     /// LanceDB failures.
-    pub async fn item_cf(&self) -> Result<ItemCf> {
+    pub async fn item_cf(&self) -> Result<TenantItemCf> {
         let batches = self
             .query(
                 "interactions",
@@ -612,12 +623,14 @@ impl Tables {
                 Some("item_id IS NOT NULL".to_owned()),
             )
             .await?;
+        let separator = self.signals.tenant_separator;
         tokio::task::spawn_blocking(move || {
-            ItemCf::new(batches.iter().flat_map(|b| {
+            let pairs = batches.iter().flat_map(|b| {
                 let users = b.column(0).as_string::<i32>();
                 let items = b.column(1).as_string::<i32>();
                 users.iter().zip(items.iter()).filter_map(|(u, i)| u.zip(i))
-            }))
+            });
+            TenantItemCf::new(pairs, separator)
         })
         .await
         .map_err(|e| Error::Internal {
@@ -912,16 +925,27 @@ impl Loader for Tables {
                 ),
                 passages,
             )?;
-            let mut mems = Vec::new();
-            for b in &memories {
-                mems.extend(crate::steam::memories_from(b)?);
-            }
-            let rows = UserRows {
-                interactions: &interactions,
-                turn_vectors: &turn_vectors,
-                passages: &passages,
-            };
-            build_user(cfg, &snap.items, user_id, rows, mems)
+            // The corpus (sorting, session joins, BM25, k-means for a large
+            // user) is CPU work: on a blocking thread, so one large user's
+            // fill never holds up the async workers that answer everyone
+            // else (and /healthz).
+            let (cfg, items, user) = (cfg.clone(), snap.items.clone(), user_id.to_owned());
+            tokio::task::spawn_blocking(move || {
+                let mut mems = Vec::new();
+                for b in &memories {
+                    mems.extend(crate::steam::memories_from(b)?);
+                }
+                let rows = UserRows {
+                    interactions: &interactions,
+                    turn_vectors: &turn_vectors,
+                    passages: &passages,
+                };
+                build_user(&cfg, &items, &user, rows, mems)
+            })
+            .await
+            .map_err(|e| Error::Internal {
+                message: format!("building a user's corpus panicked: {e}"),
+            })?
         })
     }
 
@@ -1751,10 +1775,12 @@ mod tests {
             SignalSources {
                 item_template: Some(config.embed.item_template.clone()),
                 item_cf: Some(Duration::from_secs(60)),
+                tenant_separator: None,
             },
         );
         tables.versions().await.unwrap();
         let cf = tables.item_cf().await.unwrap();
+        let cf = cf.of("anyone").expect("one tenant");
         // Distinct users: ben's second click on blue-train counts once.
         assert_eq!(cf.popularity("blue-train"), 2.0);
         assert_eq!(cf.popularity("nevermind"), 1.0);

@@ -31,6 +31,7 @@ pub struct EventSink {
     producer: FutureProducer,
     topic: String,
     max_event_bytes: usize,
+    max_future_skew_ms: i64,
     timeout: Duration,
 }
 
@@ -63,6 +64,8 @@ impl EventSink {
             )?,
             topic,
             max_event_bytes,
+            max_future_skew_ms: i64::try_from(config.kafka.max_future_skew.as_millis())
+                .unwrap_or(i64::MAX),
             timeout: config.serve.request_timeout.max(Duration::from_secs(5)),
         })
     }
@@ -171,14 +174,20 @@ pub(super) async fn produce_as(
                 ),
             ));
         }
-        let event = decode(bytes).map_err(|e| {
-            let field = if e.field.is_empty() {
-                format!("events[{i}]")
-            } else {
-                format!("events[{i}].{}", e.field)
-            };
-            ApiError::invalid(field, e.reason)
-        })?;
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let event = decode(bytes)
+            .and_then(|e| {
+                e.check_not_ahead(now_ms, sink.max_future_skew_ms)?;
+                Ok(e)
+            })
+            .map_err(|e| {
+                let field = if e.field.is_empty() {
+                    format!("events[{i}]")
+                } else {
+                    format!("events[{i}].{}", e.field)
+                };
+                ApiError::invalid(field, e.reason)
+            })?;
         let (key, user) = key_of(&event);
         match user {
             Some(u) => authorize(st, scope, u, &format!("events[{i}].user_id"))?,

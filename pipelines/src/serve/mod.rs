@@ -24,7 +24,7 @@ pub mod events;
 mod mcp;
 mod metrics;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -78,6 +78,9 @@ pub struct AppState {
     ready: AtomicBool,
     cfg: ServeConfig,
     separator: Option<char>,
+    /// `steam.min_users`: an item is named to a community's members only
+    /// when at least this many of them chose it.
+    min_users: usize,
     embedder: Option<Arc<dyn Embedder>>,
     auth: RwLock<Arc<Auth>>,
     metrics: ServeMetrics,
@@ -123,6 +126,7 @@ impl AppState {
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg,
             separator,
+            min_users: steamrf_operators::steam::SteamParams::default().min_users,
             embedder,
             auth: RwLock::new(Arc::new(auth)),
             metrics,
@@ -131,6 +135,14 @@ impl AppState {
             id_prefix: rand::random(),
             next_id: AtomicU64::new(0),
         }
+    }
+
+    /// Names to a community's members only the items at least `min_users`
+    /// of its users chose (`steam.min_users`; default 3).
+    #[must_use]
+    pub fn with_min_users(mut self, min_users: usize) -> Self {
+        self.min_users = min_users;
+        self
     }
 
     /// Accepts `POST /v1/events` into `sink`.
@@ -255,18 +267,30 @@ impl AppState {
         }
     }
 
+    /// The cache generation and the snapshot a view reads, in that order.
+    /// The refresh publishes a snapshot before it starts the generation that
+    /// evicts what changed, so whatever a view reads from this snapshot is
+    /// cached under a generation no newer than it: a fill that finishes
+    /// after the next eviction is refused instead of caching rows of the old
+    /// snapshot (members who left a prototype) under the new generation.
+    fn epoch(&self) -> (u64, Arc<Snapshot>) {
+        let since = self.cache.generation();
+        (since, self.snapshot())
+    }
+
     /// What a request for `user_id` reads: the current snapshot, the user,
-    /// and with `collaborative` the members of the user's prototypes.
+    /// and with `collaborative` the members of the user's prototypes, all
+    /// of one [`Self::epoch`].
     async fn view(
         self: &Arc<Self>,
         user_id: &str,
         collaborative: bool,
         deadline: Instant,
     ) -> Result<View, ApiError> {
-        let snap = self.snapshot();
-        let user = self.user_data(&snap, user_id, deadline).await?;
+        let (since, snap) = self.epoch();
+        let user = self.user_data(&snap, since, user_id, deadline).await?;
         let members = if collaborative {
-            self.members_of(&snap, &user, deadline).await?
+            self.members_of(&snap, since, &user, deadline).await?
         } else {
             Vec::new()
         };
@@ -274,6 +298,7 @@ impl AppState {
             snap,
             user,
             members,
+            separator: self.separator,
         })
     }
 
@@ -281,6 +306,7 @@ impl AppState {
     async fn user_data(
         self: &Arc<Self>,
         snap: &Arc<Snapshot>,
+        since: u64,
         user_id: &str,
         deadline: Instant,
     ) -> Result<Arc<UserData>, ApiError> {
@@ -295,7 +321,6 @@ impl AppState {
             .cache_lookups
             .with_label_values(&["user", "miss"])
             .inc();
-        let since = self.cache.generation();
         let (st, snap, id) = (self.clone(), snap.clone(), user_id.to_owned());
         self.fill("user", deadline, async move {
             let u = Arc::new(st.loader.user(&st.cfg, &snap, &id).await?);
@@ -314,6 +339,7 @@ impl AppState {
     async fn members_of(
         self: &Arc<Self>,
         snap: &Arc<Snapshot>,
+        since: u64,
         user: &UserData,
         deadline: Instant,
     ) -> Result<Vec<Arc<Members>>, ApiError> {
@@ -340,7 +366,6 @@ impl AppState {
         if missing.is_empty() {
             return Ok(out);
         }
-        let since = self.cache.generation();
         let (st, snap) = (self.clone(), snap.clone());
         let filled = self
             .fill("prototype", deadline, async move {
@@ -992,7 +1017,9 @@ fn answer(
 }
 
 /// STEAM's local-to-global step, limited to the user's tenant and to
-/// published prototypes; other users appear only as memory and item ids.
+/// published prototypes; other users appear only as memory ids, and their
+/// items only when at least `min_users` of the community's users chose
+/// them (an item fewer chose would single them out: docs/security.md).
 fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<Collaborative> {
     let mut qn = q.to_vec();
     steamrf_operators::embed::normalize(&mut qn);
@@ -1003,6 +1030,7 @@ fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<
     let r = steam_retrieve::retrieve(view, user_id, &qn, &params);
     let tenant = tenant_of(user_id, st.separator);
     let mut by_proto: BTreeMap<MemoryId, Collaborative> = BTreeMap::new();
+    let mut shared: BTreeMap<MemoryId, BTreeSet<String>> = BTreeMap::new();
     for h in r.collaborative {
         if tenant_of(&h.user_id, st.separator) != tenant {
             continue;
@@ -1021,9 +1049,16 @@ fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<
         });
         c.score = c.score.max(h.score);
         c.memory_ids.push(h.memory_id.to_string());
+        let shared = shared.entry(pid).or_insert_with(|| {
+            let members = proto.members.iter().filter_map(|&id| view.memory(id));
+            steamrf_operators::steam::shared_items(members, st.min_users)
+                .into_keys()
+                .map(str::to_owned)
+                .collect()
+        });
         if let Some(m) = view.memory(h.memory_id) {
             for i in &m.items {
-                if !c.item_ids.contains(i) {
+                if shared.contains(i) && !c.item_ids.contains(i) {
                     c.item_ids.push(i.clone());
                 }
             }
@@ -1145,7 +1180,7 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
             &scores,
             &history,
             &cands,
-            view.snap.signals(),
+            view.snap.signals(&req.user_id),
             st.cfg.ranker.params(),
         );
         let fused = rank::score(&weights, &features);
@@ -1274,6 +1309,21 @@ pub fn router(st: Arc<AppState>) -> Router {
         .with_state(st)
 }
 
+/// The longest a read of the tokens file may take (see [`TokensFile::poll`]).
+const TOKENS_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Every `serve.refresh_interval` (at most every second) until `stop`:
+/// reloads a changed tokens file. Its own task, so no refresh of the tables,
+/// however slow, keeps a revoked token valid.
+async fn tokens_loop(st: Arc<AppState>, mut tokens: TokensFile, stop: Arc<AtomicBool>) {
+    let mut tick = tokio::time::interval(st.cfg.refresh_interval.min(Duration::from_secs(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        tokens.poll(&st).await;
+    }
+}
+
 /// The tokens file, reloaded when its content changes (a rotated
 /// Kubernetes Secret appears in the mounted file within a minute or so).
 #[derive(Debug)]
@@ -1284,7 +1334,8 @@ struct TokensFile {
 }
 
 impl TokensFile {
-    /// Reads and parses the file once; an empty path means no tokens.
+    /// Reads and parses the file once; an empty path means no tokens. A
+    /// file without a single token is refused (it would lock everyone out).
     fn load(path: &str) -> Result<(Self, Auth)> {
         let mut f = Self {
             path: path.to_owned(),
@@ -1297,21 +1348,28 @@ impl TokensFile {
         f.last = std::fs::read(path).map_err(|e| Error::Config {
             problems: vec![format!("serve.tokens_file {path}: {e}")],
         })?;
-        let auth = Auth::parse(&String::from_utf8_lossy(&f.last))?;
+        let auth = Auth::parse_in_force(&String::from_utf8_lossy(&f.last))?;
         Ok((f, auth))
     }
 
-    /// Swaps in the file's tokens if its content changed and parses; keeps
-    /// the tokens in force otherwise (a half-written or broken file must
-    /// not open the API or lock everyone out).
-    fn poll(&mut self, st: &AppState) {
+    /// Swaps in the file's tokens if its content changed and parses to at
+    /// least one token; keeps the tokens in force otherwise (a half-written,
+    /// emptied or broken file must not open the API or lock everyone out).
+    /// A read that takes longer than [`TOKENS_READ_TIMEOUT`] (a stuck
+    /// volume) counts as failed.
+    async fn poll(&mut self, st: &AppState) {
         if self.path.is_empty() {
             return;
         }
-        let bytes = match std::fs::read(&self.path) {
+        let read = tokio::time::timeout(TOKENS_READ_TIMEOUT, tokio::fs::read(&self.path)).await;
+        let bytes = match read {
+            Ok(Ok(b)) => Ok(b),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {TOKENS_READ_TIMEOUT:?}")),
+        };
+        let bytes = match bytes {
             Ok(b) => b,
             Err(e) => {
-                let e = e.to_string();
                 if self.last_error.as_ref() != Some(&e) {
                     st.metrics.token_reloads.with_label_values(&["error"]).inc();
                     tracing::warn!(path = %self.path, error = %e, "Reading the tokens file failed; keeping the tokens in force.");
@@ -1323,7 +1381,7 @@ impl TokensFile {
         if bytes == self.last {
             return;
         }
-        match Auth::parse(&String::from_utf8_lossy(&bytes)) {
+        match Auth::parse_in_force(&String::from_utf8_lossy(&bytes)) {
             Ok(auth) => {
                 st.metrics.token_reloads.with_label_values(&["ok"]).inc();
                 tracing::info!(path = %self.path, tokens = auth.len(), "Tokens file reloaded.");
@@ -1340,22 +1398,15 @@ impl TokensFile {
     }
 }
 
-/// Every `refresh_interval` until `stop`: reloads a changed tokens file,
-/// checks the tables' versions and, when they moved, re-reads the shared
+/// Every `refresh_interval` until `stop`: checks the tables' versions and, when they moved, re-reads the shared
 /// part if its tables changed, evicts the users and prototypes whose rows
 /// changed, and publishes the new versions. A successful check marks the
 /// service current (`/readyz`).
-async fn refresh_loop(
-    st: Arc<AppState>,
-    tables: Arc<Tables>,
-    mut tokens: TokensFile,
-    stop: Arc<AtomicBool>,
-) {
+async fn refresh_loop(st: Arc<AppState>, tables: Arc<Tables>, stop: Arc<AtomicBool>) {
     let mut tick = tokio::time::interval(st.cfg.refresh_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
-        tokens.poll(&st);
         st.metrics.observe_cache(st.cache.stats());
         let current = st.snapshot();
         let versions = match tables.versions().await {
@@ -1517,6 +1568,8 @@ async fn refresh(
 /// requests finish (10 s at most). Unlike `axum::serve`, a client must send
 /// its request headers within `header_timeout` (hyper's header-read timer),
 /// so connections that trickle or never finish their headers are closed.
+/// At most `max_connections` are open at once: past that it accepts none
+/// until one closes (new ones wait in the kernel's listen backlog).
 ///
 /// # Errors
 /// None today: accept errors (out of file descriptors) are logged and
@@ -1525,6 +1578,7 @@ pub async fn serve_connections(
     listener: TcpListener,
     app: Router,
     header_timeout: Duration,
+    max_connections: usize,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
@@ -1532,8 +1586,13 @@ pub async fn serve_connections(
     http.timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let open = Arc::new(Semaphore::new(max_connections.max(1)));
     tokio::pin!(shutdown);
     loop {
+        let slot = tokio::select! {
+            slot = open.clone().acquire_owned() => slot.expect("never closed"),
+            () = &mut shutdown => break,
+        };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
@@ -1551,6 +1610,7 @@ pub async fn serve_connections(
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
+            let _slot = slot;
             if let Err(e) = conn.await {
                 tracing::trace!(error = %e, "Connection ended with an error.");
             }
@@ -1589,7 +1649,12 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
     }
     let embedder = crate::embed::embedder(&config.embed)?;
     let db = crate::sink::connect(&config.lancedb).await?;
-    crate::migrate::warn_if_pending(&db).await;
+    // In the background: a slow store must not hold the listener back
+    // (health checks and token reloads work before the first refresh).
+    tokio::spawn({
+        let db = db.clone();
+        async move { crate::migrate::warn_if_pending(&db).await }
+    });
     let weights = config.serve.ranker.weights();
     let tables = Arc::new(Tables::new(
         db,
@@ -1600,6 +1665,7 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
             item_cf: weights
                 .needs_item_cf()
                 .then_some(config.serve.ranker.stats_interval),
+            tenant_separator: config.tenancy.separator(),
         },
     ));
     let mut st = AppState::new(
@@ -1610,7 +1676,8 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
         ServeMetrics::new(),
         Snapshot::default(),
         tables.clone(),
-    );
+    )
+    .with_min_users(config.steam.min_users);
     if config.serve.accept_events {
         let sink = events::EventSink::new(&config)?;
         tracing::info!(?sink, "POST /v1/events is on.");
@@ -1622,8 +1689,9 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
         source,
     })?;
     tracing::info!(%addr, "Retrieval service listening.");
-    let refresher = tokio::spawn(refresh_loop(st.clone(), tables, tokens, stop.clone()));
-    let header_timeout = st.cfg.header_timeout;
+    let refresher = tokio::spawn(refresh_loop(st.clone(), tables, stop.clone()));
+    let reloader = tokio::spawn(tokens_loop(st.clone(), tokens, stop.clone()));
+    let (header_timeout, max_connections) = (st.cfg.header_timeout, st.cfg.max_connections);
     let app = router(st);
     let shutdown = {
         let stop = stop.clone();
@@ -1633,8 +1701,9 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
             }
         }
     };
-    let served = serve_connections(listener, app, header_timeout, shutdown).await;
+    let served = serve_connections(listener, app, header_timeout, max_connections, shutdown).await;
     refresher.abort();
+    reloader.abort();
     served.map_err(|source| Error::Io {
         context: "serving the API".into(),
         source,

@@ -52,6 +52,8 @@ fn steam_state() -> SteamState {
         .observe(vec![
             ("acme:ann".into(), obs("a1", "blue-train", jazz(1.0))),
             ("acme:ben".into(), obs("b1", "dave", jazz(2.0))),
+            // Only ben chose it: never named to ann.
+            ("acme:ben".into(), obs("b2", "rare-bootleg", jazz(2.0))),
             ("acme:cat".into(), obs("c1", "dave", jazz(1.5))),
             ("globex:dan".into(), obs("d1", "secret-album", jazz(1.2))),
             ("globex:eve".into(), obs("e1", "x", jazz(1.3))),
@@ -198,16 +200,20 @@ async fn start_with(
     let mut cfg = config();
     cfg.max_request_bytes = crate::config::ByteSize(64 * 1024);
     tweak(&mut cfg);
-    let header_timeout = cfg.header_timeout;
-    let st = Arc::new(AppState::new(
-        cfg,
-        Some(':'),
-        embedder,
-        auth,
-        ServeMetrics::new(),
-        Snapshot::default(),
-        Arc::new(fixed()),
-    ));
+    let (header_timeout, max_connections) = (cfg.header_timeout, cfg.max_connections);
+    let st = Arc::new(
+        AppState::new(
+            cfg,
+            Some(':'),
+            embedder,
+            auth,
+            ServeMetrics::new(),
+            Snapshot::default(),
+            Arc::new(fixed()),
+        )
+        // "dave" (ben and cat) is named to ann, "rare-bootleg" (ben) is not.
+        .with_min_users(2),
+    );
     if publish {
         st.publish(snapshot());
     }
@@ -217,6 +223,7 @@ async fn start_with(
         listener,
         router(st.clone()),
         header_timeout,
+        max_connections,
         std::future::pending(),
     ));
     (format!("http://{addr}"), st)
@@ -268,13 +275,16 @@ async fn retrieve_answers_with_provenance_explanation_and_the_community() {
     assert!(ex["latency"]["total_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(ex["table_versions"]["interactions"], 3);
     // The acme jazz community is published (3 users); its other users show
-    // up only as memory and item ids, and globex (same taste) not at all.
+    // up only as memory ids and the items enough of them chose (min_users
+    // 2 here), and globex (same taste) not at all.
     let collab = v["collaborative"].as_array().unwrap();
     assert_eq!(collab.len(), 1, "{v}");
     assert_eq!(collab[0]["users"], 3);
     let text = v.to_string();
     assert!(
-        !text.contains("secret-album") && !text.contains("globex"),
+        !text.contains("secret-album")
+            && !text.contains("globex")
+            && !text.contains("rare-bootleg"),
         "{text}"
     );
     assert!(
@@ -597,13 +607,21 @@ async fn a_fused_ranker_follows_its_weights_and_reports_each_signal() {
     )
     .await;
     let mut snap = snapshot();
-    snap.item_cf = Some(Arc::new(rank::ItemCf::new([
-        ("x1", "blue-train"),
-        ("x1", "far"),
-        ("x2", "blue-train"),
-        ("x2", "far"),
-        ("x3", "dave"),
-    ])));
+    // Globex's users (another tenant) choose "dave" by the dozen and tie it
+    // to "blue-train": acme's ranking must not move (issue 44, items 9–10).
+    let globex: Vec<String> = (0..40).map(|n| format!("globex:g{n}")).collect();
+    let mut pairs = vec![
+        ("acme:x1", "blue-train"),
+        ("acme:x1", "far"),
+        ("acme:x2", "blue-train"),
+        ("acme:x2", "far"),
+        ("acme:x3", "dave"),
+    ];
+    for g in &globex {
+        pairs.push((g, "dave"));
+        pairs.push((g, "blue-train"));
+    }
+    snap.item_cf = Some(Arc::new(rank::TenantItemCf::new(pairs, Some(':'))));
     st.publish(snap);
     let (status, v) = post(
         &base,
@@ -967,21 +985,27 @@ async fn a_rotated_tokens_file_is_reloaded_and_a_broken_one_ignored() {
     assert_eq!(call("old-token-0123456789").await, 200);
     // Rotation: the new token works and the old one stops, without a restart.
     std::fs::write(&path, "new-token-0123456789 acme\n").unwrap();
-    file.poll(&st);
+    file.poll(&st).await;
     assert_eq!(call("new-token-0123456789").await, 200);
     assert_eq!(call("old-token-0123456789").await, 401);
     // A broken file (short token) keeps the tokens in force.
     std::fs::write(&path, "short acme\n").unwrap();
-    file.poll(&st);
+    file.poll(&st).await;
     assert_eq!(call("new-token-0123456789").await, 200);
-    // So does a missing one.
+    // So does an emptied or truncated one (no token left would lock
+    // everyone out), and a missing one.
+    for cut in ["", "# rotating\n", "new-tok"] {
+        std::fs::write(&path, cut).unwrap();
+        file.poll(&st).await;
+        assert_eq!(call("new-token-0123456789").await, 200, "{cut:?}");
+    }
     std::fs::remove_file(&path).unwrap();
-    file.poll(&st);
+    file.poll(&st).await;
     assert_eq!(call("new-token-0123456789").await, 200);
     let m = st.metrics.render();
     assert!(
         m.contains("steamrf_serve_token_reloads_total{result=\"ok\"} 1")
-            && m.contains("steamrf_serve_token_reloads_total{result=\"error\"} 2"),
+            && m.contains("steamrf_serve_token_reloads_total{result=\"error\"} 5"),
         "{m}"
     );
 }
@@ -1035,4 +1059,134 @@ async fn slow_clients_are_cut_off_and_do_not_starve_others() {
     let head = String::from_utf8_lossy(&buf[..n]);
     assert!(head.starts_with("HTTP/1.1 408"), "{head}");
     assert!(head.contains("request_timeout"), "{head}");
+}
+
+/// A loader whose user reads wait for the test's word (a slow table read).
+struct Gated {
+    inner: Fixed,
+    gate: Arc<Semaphore>,
+}
+
+impl Loader for Gated {
+    fn user<'a>(
+        &'a self,
+        cfg: &'a ServeConfig,
+        snap: &'a Snapshot,
+        user_id: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<UserData>> {
+        Box::pin(async move {
+            drop(self.gate.acquire().await.unwrap());
+            self.inner.user(cfg, snap, user_id).await
+        })
+    }
+
+    fn memories<'a>(
+        &'a self,
+        ids: &'a [MemoryId],
+    ) -> futures::future::BoxFuture<'a, Result<Vec<Memory>>> {
+        self.inner.memories(ids)
+    }
+}
+
+/// Issue 44, item 7: a refresh that lands while a view's user fill runs
+/// (it publishes a new snapshot, then evicts the prototype whose members
+/// changed) must not leave the members the view then reads from the old
+/// snapshot cached under the new generation, where they would be served
+/// to the community's users until the next change. Under 6e978f1 the
+/// members fill took the generation after the user fill and kept them.
+#[tokio::test]
+async fn members_read_from_a_snapshot_a_refresh_replaced_are_not_kept() {
+    let gate = Arc::new(Semaphore::new(0));
+    let st = Arc::new(AppState::new(
+        config(),
+        Some(':'),
+        None,
+        Auth::open(),
+        ServeMetrics::new(),
+        Snapshot::default(),
+        Arc::new(Gated {
+            inner: fixed(),
+            gate: gate.clone(),
+        }),
+    ));
+    st.publish(snapshot());
+    let ann_protos: Vec<MemoryId> = {
+        let s = steam_state();
+        let ann = s.user("acme:ann").unwrap().memories[0].id;
+        vec![s.communities().community_of(ann).unwrap()]
+    };
+    assert!(st.snapshot().prototypes.contains_key(&ann_protos[0]));
+    let viewing = tokio::spawn({
+        let st = st.clone();
+        async move {
+            st.view("acme:ann", true, Instant::now() + Duration::from_secs(30))
+                .await
+                .map(|v| v.members.len())
+        }
+    });
+    // The view is waiting on ann's rows: a refresh lands.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!viewing.is_finished());
+    st.publish(snapshot());
+    let evicted = st.cache.invalidate(&Changes {
+        prototypes: ann_protos.iter().copied().collect(),
+        ..Default::default()
+    });
+    assert_eq!(evicted, 0, "nothing was cached yet");
+    gate.add_permits(1);
+    let members = viewing.await.unwrap().unwrap();
+    assert_eq!(members, 1, "the view is answered from what it read");
+    assert!(
+        st.cache.members(ann_protos[0]).is_none(),
+        "members of the replaced snapshot were cached under the new generation"
+    );
+    // A view that starts after the refresh reads and keeps them.
+    gate.add_permits(1);
+    st.view("acme:ann", true, Instant::now() + Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(st.cache.members(ann_protos[0]).is_some());
+}
+
+/// `serve.max_connections`: idle clients holding every slot keep the
+/// service from accepting more (instead of growing its descriptors and
+/// memory without bound); a waiting client is answered as soon as one
+/// closes, and every one of them once the header timeout frees the slots.
+#[tokio::test]
+async fn open_connections_are_capped_and_a_waiting_client_gets_the_next_slot() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (base, _) = start_with(
+        Auth::open(),
+        true,
+        |c| {
+            c.max_connections = 4;
+            c.header_timeout = Duration::from_secs(30);
+        },
+        None,
+    )
+    .await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut waiting = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    waiting
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let early =
+        tokio::time::timeout(Duration::from_millis(500), waiting.read_to_end(&mut buf)).await;
+    assert!(early.is_err(), "a fifth connection was served: {buf:?}");
+    drop(idle.pop());
+    tokio::time::timeout(Duration::from_secs(5), waiting.read_to_end(&mut buf))
+        .await
+        .expect("the freed slot went to the waiting client")
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200"),
+        "{buf:?}"
+    );
 }
