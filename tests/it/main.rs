@@ -3,6 +3,8 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod eval;
+mod partitioning;
+mod privacy;
 mod reliability;
 mod support;
 

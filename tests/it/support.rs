@@ -136,7 +136,7 @@ pub fn generate(
         let id = format!("{id_prefix}-{i}");
         let line: Vec<u8> = if malformed_every > 0 && i % malformed_every == malformed_every - 1 {
             m += 1;
-            let (payload, kind): (Vec<u8>, &'static str) = match m % 8 {
+            let (payload, kind): (Vec<u8>, &'static str) = match m % 9 {
                 0 => (format!(r#"{{"type":"click","event_id":"{id}","#).into_bytes(), "invalid_json"),
                 1 => (format!(r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":{ts},"item_id":"i1"}}"#).into_bytes(), "missing_field"),
                 2 => (format!(r#"{{"type":"dialogue_turn","schema_version":1,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","session_id":"s","role":"robot","text":"hi"}}"#).into_bytes(), "invalid_field"),
@@ -149,7 +149,9 @@ pub fn generate(
                     (v, "invalid_json")
                 }
                 6 => (format!(r#"{{"type":"click","schema_version":7,"event_id":"{id}","timestamp":{ts},"user_id":"{user}","item_id":"i"}}"#).into_bytes(), "unsupported_version"),
-                _ => (format!(r#"{{"type":"purchase","schema_version":1,"event_id":"{id}","timestamp":99999999999999,"user_id":"{user}","item_id":"i"}}"#).into_bytes(), "invalid_field"),
+                7 => (format!(r#"{{"type":"purchase","schema_version":1,"event_id":"{id}","timestamp":99999999999999,"user_id":"{user}","item_id":"i"}}"#).into_bytes(), "invalid_field"),
+                // Decodable (before 2200), but stamped past kafka.max_future_skew.
+                _ => (format!(r#"{{"type":"click","schema_version":1,"event_id":"{id}","timestamp":7000000000000,"user_id":"{user}","item_id":"i"}}"#).into_bytes(), "invalid_field"),
             };
             exp.malformed.insert(payload.clone(), kind);
             payload
@@ -681,6 +683,12 @@ pub struct Service {
 impl Service {
     /// Starts the service on a free port and waits for `/readyz`.
     pub fn start(config: &Path) -> Self {
+        Self::start_until(config, "/readyz", "ready\n")
+    }
+
+    /// Starts the service and waits until `GET path` answers `body` (only
+    /// `/healthz` for a service that cannot read its tables).
+    pub fn start_until(config: &Path, path: &str, body: &str) -> Self {
         let port = free_port();
         let log = config.with_extension(format!("serve-{port}.log"));
         let child = Command::new(steamrf_bin())
@@ -694,10 +702,10 @@ impl Service {
             .unwrap();
         let s = Self { child, port, log };
         let deadline = Instant::now() + Duration::from_secs(60);
-        while http_get(port, "/readyz").as_deref() != Some("ready\n") {
+        while http_get(port, path).as_deref() != Some(body) {
             assert!(
                 Instant::now() < deadline,
-                "serve never ready:\n{}",
+                "serve never answered {path}:\n{}",
                 s.log_text()
             );
             std::thread::sleep(Duration::from_millis(100));
@@ -711,10 +719,15 @@ impl Service {
 
     /// POSTs JSON; returns the status and the body.
     pub fn post(&self, path: &str, token: Option<&str>, body: &str) -> (u16, String) {
+        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        self.post_with_headers(path, &auth, body)
+    }
+
+    /// POSTs JSON with `headers` (each line ending in CRLF).
+    pub fn post_with_headers(&self, path: &str, auth: &str, body: &str) -> (u16, String) {
         use std::io::Read;
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
         write!(
             s,
             "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
