@@ -64,16 +64,7 @@ fn posted_events_land_where_a_java_producer_puts_their_key() {
     const PARTITIONS: u32 = 6;
     let dir = tempfile::tempdir().unwrap();
     let topic = unique("it-partitioner");
-    // The topic, with six partitions (and one item event).
-    let seed = dir.path().join("seed.jsonl");
-    std::fs::write(
-        &seed,
-        format!(
-            r#"{{"schema_version":1,"event_id":"{topic}-seed","timestamp":1,"type":"item","item_id":"i","title":"t"}}"#
-        ) + "\n",
-    )
-    .unwrap();
-    produce_all(&topic, PARTITIONS, &seed);
+    seed_topic(dir.path(), &topic, PARTITIONS);
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,

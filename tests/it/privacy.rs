@@ -252,15 +252,7 @@ fn a_revoked_token_stops_working_while_a_refresh_is_stalled() {
 fn one_tenants_event_ids_neither_hide_nor_stand_in_for_anothers() {
     let dir = tempfile::tempdir().unwrap();
     let topic = unique("it-event-ids");
-    let seed = dir.path().join("seed.jsonl");
-    std::fs::write(
-        &seed,
-        format!(
-            r#"{{"schema_version":1,"event_id":"{topic}-seed","timestamp":1764000000000,"type":"item","item_id":"i","title":"t"}}"#
-        ) + "\n",
-    )
-    .unwrap();
-    produce_all(&topic, 1, &seed);
+    seed_topic(dir.path(), &topic, 1);
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,

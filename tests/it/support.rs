@@ -262,6 +262,20 @@ impl PipelineConfig<'_> {
     }
 }
 
+/// Creates `topic` with `partitions` partitions by producing one item event
+/// to it (the file goes in `dir`).
+pub fn seed_topic(dir: &Path, topic: &str, partitions: u32) {
+    let seed = dir.join("seed.jsonl");
+    std::fs::write(
+        &seed,
+        format!(
+            r#"{{"schema_version":1,"event_id":"{topic}-seed","timestamp":1764000000000,"type":"item","item_id":"i","title":"t"}}"#
+        ) + "\n",
+    )
+    .unwrap();
+    produce_all(topic, partitions, &seed);
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
