@@ -848,8 +848,9 @@ impl LanceSink {
         Ok(out)
     }
 
-    /// The stored `(timestamp, event_id)` of each of `keys` (`(user_id,
-    /// event_id)`) that a per-user table holds.
+    /// The stored timestamp of each of `keys` (`(user_id, event_id)`) that a
+    /// per-user table holds; the embed stage and the ledger's suspect keys
+    /// ask only which are there.
     ///
     /// # Errors
     /// [`Error::Lance`] if the query fails.

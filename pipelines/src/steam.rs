@@ -450,7 +450,8 @@ impl SteamStage {
         };
         let mut unknown: Vec<String> = ids
             .into_iter()
-            .filter(|i| !self.items.contains_key(*i) || self.state.item(i).is_none())
+            // `remember_items` puts every item it keeps in the catalogue.
+            .filter(|i| !self.items.contains_key(*i))
             .map(str::to_owned)
             .collect();
         unknown.sort_unstable();
@@ -1217,7 +1218,7 @@ pub async fn load_state(
 }
 
 /// The start-up refusal for `n` stored links between tenants.
-pub(crate) fn crossing_tenants(n: u64, separator: Option<char>) -> String {
+fn crossing_tenants(n: u64, separator: Option<char>) -> String {
     format!(
         "memory_links holds {n} links between users of different tenants under \
          tenancy.separator = {separator:?} (tables written under another separator, \

@@ -141,8 +141,14 @@ pub struct UserData {
 /// local-to-global step scores and recommends from.
 #[derive(Debug, Default)]
 pub struct Members {
+    /// The prototype (community) they are the members of.
+    pub prototype: MemoryId,
     /// By id.
     pub memories: HashMap<MemoryId, Memory>,
+    /// The items at least `steam.min_users` of their users chose: the only
+    /// item ids an answer may name ([`steamrf_operators::steam::shared_items`],
+    /// computed once per fill, not per request).
+    pub shared: HashSet<String>,
     /// Estimated heap bytes.
     pub bytes: usize,
 }
@@ -162,11 +168,30 @@ fn memory_bytes(m: &Memory) -> usize {
 }
 
 impl Members {
-    /// Members from memories.
-    pub fn new(memories: impl IntoIterator<Item = Memory>) -> Self {
+    /// The members of `prototype` from their memories; items are named when
+    /// at least `min_users` of their users chose them.
+    pub fn new(
+        prototype: MemoryId,
+        memories: impl IntoIterator<Item = Memory>,
+        min_users: usize,
+    ) -> Self {
         let memories: HashMap<MemoryId, Memory> = memories.into_iter().map(|m| (m.id, m)).collect();
-        let bytes = memories.values().map(|m| memory_bytes(m) + 16).sum();
-        Self { memories, bytes }
+        let shared: HashSet<String> =
+            steamrf_operators::steam::shared_items(memories.values(), min_users)
+                .into_keys()
+                .map(str::to_owned)
+                .collect();
+        let bytes = memories
+            .values()
+            .map(|m| memory_bytes(m) + 16)
+            .sum::<usize>()
+            + shared.iter().map(|s| s.len() + 32).sum::<usize>();
+        Self {
+            prototype,
+            memories,
+            shared,
+            bytes,
+        }
     }
 }
 
@@ -256,6 +281,17 @@ pub struct View {
     pub members: Vec<Arc<Members>>,
     /// `tenancy.separator`: members of another tenant never count.
     pub separator: Option<char>,
+}
+
+impl View {
+    /// The items the members of prototype `pid` may be named by (empty when
+    /// its members were not read).
+    pub fn shared_items(&self, pid: MemoryId) -> Option<&HashSet<String>> {
+        self.members
+            .iter()
+            .find(|m| m.prototype == pid)
+            .map(|m| &m.shared)
+    }
 }
 
 impl MemoryView for View {

@@ -24,7 +24,7 @@ pub mod events;
 mod mcp;
 mod metrics;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -387,7 +387,7 @@ impl AppState {
                 }
                 let mut out = Vec::with_capacity(by_proto.len());
                 for (p, mems) in by_proto {
-                    let m = Arc::new(Members::new(mems));
+                    let m = Arc::new(Members::new(p, mems, st.min_users));
                     let evicted = st.cache.insert_members(p, m.clone(), since);
                     st.metrics
                         .cache_evictions
@@ -1027,14 +1027,11 @@ fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<
         k_collab: st.cfg.collaborative_k,
         ..RecommendParams::default()
     };
+    // `retrieve` takes other users of the asking user's tenant only
+    // (`steam::retrieve::peer`).
     let r = steam_retrieve::retrieve(view, user_id, &qn, &params);
-    let tenant = tenant_of(user_id, st.separator);
     let mut by_proto: BTreeMap<MemoryId, Collaborative> = BTreeMap::new();
-    let mut shared: BTreeMap<MemoryId, BTreeSet<String>> = BTreeMap::new();
     for h in r.collaborative {
-        if tenant_of(&h.user_id, st.separator) != tenant {
-            continue;
-        }
         let Some(pid) = h.via_prototype else { continue };
         let Some(proto) = view.prototype(pid) else {
             continue;
@@ -1049,16 +1046,10 @@ fn local_to_global(st: &AppState, view: &View, user_id: &str, q: &[f32]) -> Vec<
         });
         c.score = c.score.max(h.score);
         c.memory_ids.push(h.memory_id.to_string());
-        let shared = shared.entry(pid).or_insert_with(|| {
-            let members = proto.members.iter().filter_map(|&id| view.memory(id));
-            steamrf_operators::steam::shared_items(members, st.min_users)
-                .into_keys()
-                .map(str::to_owned)
-                .collect()
-        });
+        let shared = view.shared_items(pid);
         if let Some(m) = view.memory(h.memory_id) {
             for i in &m.items {
-                if shared.contains(i) && !c.item_ids.contains(i) {
+                if shared.is_some_and(|s| s.contains(i)) && !c.item_ids.contains(i) {
                     c.item_ids.push(i.clone());
                 }
             }
