@@ -518,6 +518,25 @@ pub fn features(
     signals: Signals<'_>,
     params: RankParams,
 ) -> Vec<[f64; 4]> {
+    features_until(steam, history, candidates, signals, params, &|| false)
+        .unwrap_or_else(|| unreachable!("never stopped"))
+}
+
+/// [`features`], or `None` once `stop` says so (checked per candidate:
+/// a popular item's item-CF compares user sets of any size, so one
+/// request's ranking can take as long as its candidates' audiences make
+/// it; the caller's deadline bounds it).
+///
+/// # Panics
+/// If `steam` and `candidates` differ in length.
+pub fn features_until(
+    steam: &[f64],
+    history: &[&str],
+    candidates: &[&str],
+    signals: Signals<'_>,
+    params: RankParams,
+    stop: &dyn Fn() -> bool,
+) -> Option<Vec<[f64; 4]>> {
     assert_eq!(
         steam.len(),
         candidates.len(),
@@ -528,11 +547,17 @@ pub fn features(
         || vec![0.0; candidates.len()],
         |t| t.scores(&history, candidates),
     );
+    if stop() {
+        return None;
+    }
     candidates
         .iter()
         .zip(steam)
         .zip(text)
         .map(|((c, &s), bm25)| {
+            if stop() {
+                return None;
+            }
             let (cf, pop) = signals.item_cf.map_or((0.0, 0.0), |cf| {
                 let Some(uc) = cf.users.get(*c) else {
                     return (0.0, 0.0);
@@ -544,7 +569,7 @@ pub fn features(
                     .sum();
                 (sum, uc.len() as f64)
             });
-            [s, cf, bm25, pop]
+            Some([s, cf, bm25, pop])
         })
         .collect()
 }

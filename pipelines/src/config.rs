@@ -128,6 +128,11 @@ pub struct ServeConfig {
     pub malloc_arenas: usize,
     /// Bytes of users' rows and prototype members held in memory at most.
     pub cache_bytes: ByteSize,
+    /// A user's most recent rows of each per-user table served at most.
+    pub max_user_rows: usize,
+    /// Text of one answered item at most (a session answers with its
+    /// matched window).
+    pub max_item_bytes: ByteSize,
     /// Accept `POST /v1/events` and produce them to Kafka.
     pub accept_events: bool,
     /// Where accepted events go (empty: the first of `kafka.topics`).
@@ -1052,6 +1057,15 @@ impl Config {
         if let Some(h) = v.mcp_allowed_hosts.iter().find(|h| h.trim().is_empty()) {
             p.push(format!(
                 "serve.mcp_allowed_hosts: {h:?} is not a host (leave the list empty to allow any)"
+            ));
+        }
+        if v.max_user_rows == 0 {
+            p.push("serve.max_user_rows: must be > 0".to_owned());
+        }
+        if v.max_item_bytes.0 < 64 {
+            p.push(format!(
+                "serve.max_item_bytes: must be at least 64 bytes, got {}",
+                v.max_item_bytes.0
             ));
         }
         if v.cache_bytes.0 < 1 << 20 {

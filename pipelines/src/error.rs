@@ -24,7 +24,39 @@ impl ErrorKind {
     }
 }
 
+/// `e` and its sources, one line each, as they add something: a cause whose
+/// message the line before already holds (a foreign error that prints its
+/// source and also returns it) is left out. The workspace's own errors
+/// follow the rule that a message does not repeat its source, so this is
+/// how they are printed whole: the CLI's `error:` / `caused by:` lines and
+/// the logs' `error` field ([`Chain`]).
+pub fn causes(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    let mut out: Vec<String> = vec![e.to_string()];
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !text.trim().is_empty() && !out.last().is_some_and(|last| last.contains(text.trim())) {
+            out.push(text);
+        }
+        next = cause.source();
+    }
+    out
+}
+
+/// Displays an error with its causes on one line (`a: b: c`), each said
+/// once ([`causes`]): for logs, where `%e` alone would drop the causes.
+#[derive(Debug, Clone, Copy)]
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&causes(self.0).join(": "))
+    }
+}
+
 /// Errors of the ingest pipeline, the SQL command and the benchmarks.
+/// A message says what steamrf was doing; the cause is its `source()`,
+/// never repeated in the message ([`causes`] prints both).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -53,10 +85,10 @@ pub enum Error {
         source: Box<lancedb::Error>,
     },
     /// Arrow rejected a batch.
-    #[error("arrow: {0}")]
+    #[error("arrow")]
     Arrow(#[from] arrow_schema::ArrowError),
     /// A SQL query failed.
-    #[error("sql: {0}")]
+    #[error("sql")]
     Sql(#[from] Box<datafusion::error::DataFusionError>),
     /// A file or socket operation failed.
     #[error("{context}")]
@@ -68,7 +100,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// Embedding a batch failed (after the engine's own retries).
-    #[error("embedding: {source}")]
+    #[error("embedding")]
     Embed {
         /// Whether a later attempt may succeed.
         retryable: bool,
@@ -154,7 +186,7 @@ where
             Err(e) if e.retryable() && attempt + 1 < attempts => {
                 on_retry(&e);
                 let wait = backoff(attempt);
-                tracing::warn!(attempt, error = %e, ?wait, "{what} failed; retrying.");
+                tracing::warn!(attempt, error = %Chain(&e), ?wait, "{what} failed; retrying.");
                 tokio::time::sleep(wait).await;
                 attempt += 1;
             }
@@ -166,4 +198,37 @@ where
 /// Exponential backoff for retryable errors: 100 ms doubling to 10 s.
 pub(crate) fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(100u64.saturating_mul(1 << attempt.min(7))).min(Duration::from_secs(10))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A foreign error that prints its source and also returns it.
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer: {0}")]
+    struct Repeats(#[source] std::io::Error);
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let io = || std::io::Error::other("disk full");
+        let e = Error::Io {
+            context: "writing the receipt".into(),
+            source: io(),
+        };
+        assert_eq!(causes(&e), ["writing the receipt", "disk full"]);
+        assert_eq!(Chain(&e).to_string(), "writing the receipt: disk full");
+        // The foreign error's cause is in its own message: not repeated.
+        assert_eq!(causes(&Repeats(io())), ["outer: disk full"]);
+        // The workspace's own messages do not repeat their source.
+        let sql = Error::from(datafusion::error::DataFusionError::Plan("no".into()));
+        let all = causes(&sql);
+        assert_eq!(all[0], "sql");
+        assert_eq!(all.len(), 2, "{all:?}");
+        let embed = Error::Embed {
+            retryable: false,
+            source: Box::new(steamrf_operators::embed::EmbedError::Model("bad".into())),
+        };
+        assert_eq!(causes(&embed), ["embedding", "embedding failed: bad"]);
+    }
 }

@@ -27,7 +27,7 @@ use lancedb::{Connection, Table};
 use steamrf_schemas::TableName;
 
 use crate::config::LanceDbConfig;
-use crate::error::{Error, Result};
+use crate::error::{Chain, Error, Result};
 use crate::metrics::Metrics;
 
 mod fresh;
@@ -551,7 +551,7 @@ impl LanceSink {
                 Err(e) => {
                     // Still unindexed: the next write tries again.
                     state.unindexed.fetch_add(covered, Ordering::Relaxed);
-                    tracing::warn!(table = name.as_str(), error = %e, "Updating the key index failed; retrying after the next write.");
+                    tracing::warn!(table = name.as_str(), error = %Chain(&e), "Updating the key index failed; retrying after the next write.");
                     metrics.error("sink", &e);
                 }
             }
@@ -569,7 +569,7 @@ impl LanceSink {
             if let Some(h) = running
                 && let Err(e) = h.await
             {
-                tracing::warn!(error = %e, "An index update panicked.");
+                tracing::warn!(error = %Chain(&e), "An index update panicked.");
             }
         }
     }
@@ -616,7 +616,7 @@ impl LanceSink {
                 // version can resolve. Move the handle to the latest version
                 // so the caller's retry starts from there.
                 if let Err(refresh) = table.checkout_latest().await {
-                    tracing::warn!(table = name.as_str(), error = %refresh, "Could not refresh the table handle.");
+                    tracing::warn!(table = name.as_str(), error = %Chain(&refresh), "Could not refresh the table handle.");
                 }
                 return Err(Error::lance(format!("writing {}", name.as_str()))(e));
             }
@@ -728,7 +728,7 @@ impl LanceSink {
                 ) => {
                     // Another writer inserted one of the keys, or rows it
                     // did not name, since `covered`: look them up.
-                    tracing::debug!(table = name.as_str(), error = %e, "A fresh batch conflicted; taking the exact path.");
+                    tracing::debug!(table = name.as_str(), error = %Chain(&e), "A fresh batch conflicted; taking the exact path.");
                     table.checkout_latest().await?;
                 }
                 Err(e) => {
@@ -1121,7 +1121,7 @@ async fn merge_keyed(
                 e @ (lance::Error::RetryableCommitConflict { .. }
                 | lance::Error::TooMuchWriteContention { .. }),
             ) if attempt < INSERT_ATTEMPTS => {
-                tracing::debug!(table = table.name(), attempt, error = %e, "A keyed merge lost a commit race; recomputing it.");
+                tracing::debug!(table = table.name(), attempt, error = %Chain(&e), "A keyed merge lost a commit race; recomputing it.");
                 table.checkout_latest().await?;
             }
             Err(e) => return Err(e.into()),

@@ -39,7 +39,7 @@ use steamrf_schemas::memory::MemoryTable;
 use steamrf_schemas::tables::{EMBEDDING_DIM, embedding_field};
 use steamrf_schemas::tenancy::tenant_of;
 
-use crate::error::{Error, Result};
+use crate::error::{Chain, Error, Result};
 use crate::metrics::Metrics;
 use crate::sink::{ensure_primary_key, open_or_create_named};
 
@@ -964,7 +964,7 @@ impl SteamStage {
                         .with_label_values(&["fallback"])
                         .inc();
                     if !matches!(e, LlmError::BudgetExhausted(_)) {
-                        tracing::warn!(error = %e, "LLM summary failed; keeping the deterministic content.");
+                        tracing::warn!(error = %Chain(&e), "LLM summary failed; keeping the deterministic content.");
                     }
                 }
             }

@@ -255,6 +255,39 @@ enum BenchCmd {
         #[arg(long = "storage-option", value_parser = key_value)]
         storage_options: Vec<(String, String)>,
     },
+    /// One user with a huge history asked for by many clients at once: the other users' latency, /healthz and RSS beside `serve.cache_bytes`.
+    Hammer {
+        /// Turns of the hammered user.
+        #[arg(long, default_value_t = 150_000)]
+        big_rows: usize,
+        /// Bytes of each of its turns' text, about.
+        #[arg(long, default_value_t = 1000)]
+        turn_bytes: usize,
+        /// Turns per session of the hammered user.
+        #[arg(long, default_value_t = 1000)]
+        session_turns: usize,
+        /// Other users.
+        #[arg(long, default_value_t = 200)]
+        users: usize,
+        /// Turns per other user.
+        #[arg(long, default_value_t = 50)]
+        rows_per_user: usize,
+        /// Concurrent clients asking for the hammered user.
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// How long the hammer runs (humantime: "30s").
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        /// A new turn of the hammered user this often ("0s": none), so each refresh evicts it.
+        #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+        write_every: Duration,
+        /// Baseline requests over the other users, nobody hammering.
+        #[arg(long, default_value_t = 500)]
+        requests: usize,
+        /// `serve.cache_bytes` (e.g. "256MiB").
+        #[arg(long, default_value = "256MiB")]
+        cache_bytes: String,
+    },
     /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
     Similarity {
         /// Queries per call.
@@ -507,6 +540,40 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             })
             .await
             .context("bench serve")?;
+            Ok(print_lines(&lines))
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Hammer {
+                    big_rows,
+                    turn_bytes,
+                    session_turns,
+                    users,
+                    rows_per_user,
+                    clients,
+                    duration,
+                    write_every,
+                    requests,
+                    cache_bytes,
+                },
+        } => {
+            let cache_bytes = steamrf_pipelines::config::ByteSize::parse(&cache_bytes)
+                .map_err(|e| anyhow::anyhow!("--cache-bytes: {e}"))?
+                .0;
+            let lines = bench::hammer(bench::HammerBench {
+                big_rows,
+                turn_bytes,
+                session_turns,
+                users,
+                rows_per_user,
+                clients,
+                duration,
+                write_every,
+                requests,
+                cache_bytes,
+            })
+            .await
+            .context("bench hammer")?;
             Ok(print_lines(&lines))
         }
         Cmd::Bench {

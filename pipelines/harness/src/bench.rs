@@ -24,11 +24,13 @@ use steamrf_pipelines::pipeline::{self, RunOptions};
 use steamrf_pipelines::{embed, source, sql};
 
 mod decode;
+mod hammer;
 mod index;
 mod retrieve;
 mod serve;
 mod soak;
 pub use decode::{DecodeBench, decode_bench};
+pub use hammer::{HammerBench, hammer};
 pub use index::{IndexBench, index};
 pub use retrieve::{RetrieveBench, retrieve};
 pub use serve::{ServeBench, serve};

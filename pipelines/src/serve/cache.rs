@@ -44,7 +44,7 @@ use steamrf_operators::steam::{MemoryId, Prototype};
 use steamrf_schemas::tables::EMBEDDING_DIM;
 
 use crate::config::{CorpusKind, ServeConfig};
-use crate::error::{Error, Result};
+use crate::error::{Chain, Error, Result};
 use crate::steam::vector;
 
 /// What a corpus row is.
@@ -78,6 +78,20 @@ pub struct Entry {
     pub source: Option<(i32, i64)>,
     /// A session's passage windows, in the order of the window index.
     pub windows: Vec<Window>,
+    /// A session's turns: where each ends in `content` (a newline separates
+    /// one from the next). Empty for any other row.
+    pub turn_ends: Vec<u32>,
+}
+
+/// What an answer hands over for one row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerText {
+    /// Its text, at most `serve.max_item_bytes`.
+    pub content: String,
+    /// The text was cut at `serve.max_item_bytes`.
+    pub truncated: bool,
+    /// The events behind the text handed over (a session's: the turns in it).
+    pub source_event_ids: Vec<String>,
 }
 
 /// One passage window of a session: the turn it ends at and the turns it
@@ -93,6 +107,53 @@ pub struct Window {
 }
 
 impl Entry {
+    /// What an answer hands over for this row: the turns of `window` for
+    /// a session hit through one, else the whole content; either cut to at
+    /// most `max` bytes at a character boundary.
+    pub fn answer_text(&self, window: Option<&Window>, max: usize) -> AnswerText {
+        let n = self.turn_ends.len();
+        // Where turn `i` starts in `content` (a newline ends each before).
+        let start_of = |i: usize| match i.checked_sub(1) {
+            None => 0,
+            Some(prev) => self.turn_ends[prev] as usize + 1,
+        };
+        let (from, to) = window
+            .map(|w| (w.start as usize, w.end as usize))
+            .filter(|&(a, b)| a < b && b <= n)
+            .unwrap_or((0, n));
+        let (lo, hi) = if n == 0 {
+            (0, self.content.len())
+        } else {
+            (start_of(from), self.turn_ends[to - 1] as usize)
+        };
+        let Some(text) = self.content.get(lo..hi) else {
+            return self.answer_text(None, max);
+        };
+        let mut at = text.len().min(max);
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        let truncated = at < text.len();
+        // The turns whose text is handed over, whole or in part.
+        let turns = if n == 0 {
+            0..self.source_event_ids.len()
+        } else {
+            from..(from..to)
+                .take_while(|&i| start_of(i) < lo + at)
+                .last()
+                .map_or(from, |i| i + 1)
+        };
+        AnswerText {
+            content: text[..at].to_owned(),
+            truncated,
+            source_event_ids: self
+                .source_event_ids
+                .get(turns)
+                .unwrap_or_default()
+                .to_vec(),
+        }
+    }
+
     fn bytes(&self) -> usize {
         size_of::<Self>()
             + self.id.len()
@@ -133,6 +194,9 @@ pub struct UserData {
     /// in the catalogue or not): the history the ranker's item-CF and
     /// BM25 score against; empty while `serve.ranker` weighs neither.
     pub history: Vec<String>,
+    /// Interactions older than the `serve.max_user_rows` most recent ones,
+    /// left out of this corpus.
+    pub rows_cut: usize,
     /// Estimated heap bytes (what `serve.cache_bytes` counts).
     pub bytes: usize,
 }
@@ -366,7 +430,19 @@ struct Lru {
     users: usize,
     tick: u64,
     generation: u64,
+    /// The generation of the last invalidation that named each key, so that
+    /// a fill is refused only when its own key (or everything) changed
+    /// since it began: one user written to every refresh keeps no other
+    /// user's fill from being kept. Cleared past [`DIRTY_KEYS`] entries,
+    /// when `floor` moves up to the current generation.
+    dirty: HashMap<Key, u64>,
+    /// Fills that began before this generation are refused (an invalidation
+    /// of everything, or of the unresolved users, or a cleared `dirty`).
+    floor: u64,
 }
+
+/// Keys [`Lru::dirty`] remembers before it is cleared.
+const DIRTY_KEYS: usize = 100_000;
 
 impl Lru {
     /// Every change of `map` goes through `put` and `remove`, which keep
@@ -484,8 +560,9 @@ impl Cache {
         }
     }
 
-    /// Counts invalidations: a fill that began before one may hold rows it
-    /// changed, so it is answered from but not kept.
+    /// Counts invalidations: a fill that began before one that named its
+    /// key (or everything) may hold rows it changed, so it is answered from
+    /// but not kept.
     pub fn generation(&self) -> u64 {
         self.lock().generation
     }
@@ -509,7 +586,7 @@ impl Cache {
             return 0;
         }
         let mut lru = self.lock();
-        if lru.generation != since {
+        if since < lru.floor || lru.dirty.get(&k).is_some_and(|&g| g > since) {
             return 0;
         }
         lru.remove(&k);
@@ -529,10 +606,12 @@ impl Cache {
         }
         let mut lru = self.lock();
         lru.generation += 1;
+        let generation = lru.generation;
         if c.all {
             let n = lru.map.len();
             *lru = Lru {
-                generation: lru.generation,
+                generation,
+                floor: generation,
                 ..Lru::default()
             };
             return n;
@@ -543,7 +622,17 @@ impl Cache {
             .map(|u| Key::User(u.clone()))
             .chain(c.prototypes.iter().map(|&p| Key::Members(p)))
             .collect();
+        if lru.dirty.len() + doomed.len() > DIRTY_KEYS {
+            lru.dirty.clear();
+            lru.floor = generation;
+        } else {
+            for k in &doomed {
+                lru.dirty.insert(k.clone(), generation);
+            }
+        }
         if c.unresolved {
+            // A fill may not know whether it read an unresolved user.
+            lru.floor = generation;
             doomed.extend(lru.map.iter().filter_map(|(k, (v, _))| match v {
                 Value::User(u) if u.unresolved => Some(k.clone()),
                 _ => None,
@@ -625,6 +714,18 @@ impl std::fmt::Debug for Tables {
 /// A SQL string literal.
 fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
+}
+
+/// `filter` narrowed to the rows at or after (`ts`, `event_id`).
+fn cut_filter(filter: &str, ts: i64, event_id: &str) -> String {
+    let at = chrono::DateTime::from_timestamp_millis(ts).map_or_else(
+        || "1970-01-01 00:00:00.000".to_owned(),
+        |t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
+    );
+    format!(
+        "{filter} AND (`timestamp` > TIMESTAMP '{at}' OR (`timestamp` = TIMESTAMP '{at}' AND event_id >= {}))",
+        literal(event_id)
+    )
 }
 
 fn lance_err(context: &str) -> impl FnOnce(lance::Error) -> Error + '_ {
@@ -721,6 +822,35 @@ impl Tables {
         Ok(out)
     }
 
+    /// The filter that reads `user_id`'s most recent `max` interactions
+    /// (by timestamp, then event id) from any per-user table, and how many
+    /// older ones it leaves out. Only the keys are read to find the cut, so
+    /// a user with millions of events costs a bounded read and build.
+    async fn recent(&self, user_id: &str, max: usize) -> Result<(String, usize)> {
+        let filter = format!("user_id = {}", literal(user_id));
+        let keys = self
+            .query(
+                "interactions",
+                &["timestamp", "event_id"],
+                Some(filter.clone()),
+            )
+            .await?;
+        let n: usize = keys.iter().map(RecordBatch::num_rows).sum();
+        if n <= max {
+            return Ok((filter, 0));
+        }
+        let mut all: Vec<(i64, &str)> = Vec::with_capacity(n);
+        for b in &keys {
+            let ts = b.column(0).as_primitive::<TimestampMillisecondType>();
+            let ids = b.column(1).as_string::<i32>();
+            all.extend((0..b.num_rows()).map(|r| (ts.value(r), ids.value(r))));
+        }
+        // Ascending, the oldest row kept is at n − max.
+        let cut = n - max;
+        let (_, &mut (ts, id), _) = all.select_nth_unstable(cut);
+        Ok((cut_filter(&filter, ts, id), cut))
+    }
+
     async fn query(
         &self,
         name: &str,
@@ -744,7 +874,7 @@ impl Tables {
             // and the next refresh finds its files deleted. Move to the
             // latest version and read again, once.
             Err(first) => {
-                tracing::debug!(table = name, error = %first, "Reading failed; retrying at the latest version.");
+                tracing::debug!(table = name, error = %Chain(&first), "Reading failed; retrying at the latest version.");
                 t.checkout_latest()
                     .await
                     .map_err(Error::lance(format!("reading {name}")))?;
@@ -942,7 +1072,7 @@ impl Loader for Tables {
         user_id: &'a str,
     ) -> BoxFuture<'a, Result<UserData>> {
         Box::pin(async move {
-            let filter = format!("user_id = {}", literal(user_id));
+            let (filter, cut) = self.recent(user_id, cfg.max_user_rows).await?;
             let passages = async {
                 if cfg.kinds.contains(&CorpusKind::Passage) {
                     self.query("passages", PASSAGE_COLUMNS, Some(filter.clone()))
@@ -976,7 +1106,9 @@ impl Loader for Tables {
                     turn_vectors: &turn_vectors,
                     passages: &passages,
                 };
-                build_user(&cfg, &items, &user, rows, mems)
+                let mut u = build_user(&cfg, &items, &user, rows, mems)?;
+                u.rows_cut = cut;
+                Ok(u)
             })
             .await
             .map_err(|e| Error::Internal {
@@ -1227,6 +1359,7 @@ pub fn build_user(
                         source_event_ids: vec![event.value(r).to_owned()],
                         source,
                         windows: Vec::new(),
+                        turn_ends: Vec::new(),
                     },
                     vector: e.to_vec(),
                     ts: ts.value(r),
@@ -1249,6 +1382,7 @@ pub fn build_user(
                         source_event_ids: vec![event.value(r).to_owned()],
                         source,
                         windows: Vec::new(),
+                        turn_ends: Vec::new(),
                     },
                     vector: info.embedding.clone(),
                     ts: ts.value(r),
@@ -1306,19 +1440,25 @@ pub fn build_user(
             .collect();
         windows.sort_by_key(|w| (w.0.end, w.0.start));
         let (windows, vectors): (Vec<Window>, Vec<Vec<f32>>) = windows.into_iter().unzip();
+        let mut content = String::new();
+        let mut turn_ends = Vec::with_capacity(turns.len());
+        for t in &turns {
+            if !turn_ends.is_empty() {
+                content.push('\n');
+            }
+            content.push_str(&t.content);
+            turn_ends.push(u32::try_from(content.len()).unwrap_or(u32::MAX));
+        }
         rows.push(Row {
             entry: Entry {
                 kind: EntryKind::Session,
                 id: session,
-                content: turns
-                    .iter()
-                    .map(|t| t.content.as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n"),
+                content,
                 table: "interactions",
                 source_event_ids: turns.iter().map(|t| t.event_id.clone()).collect(),
                 source: turns.first().and_then(|t| t.source),
                 windows,
+                turn_ends,
             },
             vector: v,
             ts: turns.first().map_or(0, |t| t.ts),
@@ -1337,6 +1477,7 @@ pub fn build_user(
                     source_event_ids: m.interactions.clone(),
                     source: None,
                     windows: Vec::new(),
+                    turn_ends: Vec::new(),
                 },
                 vector: m.embedding.clone(),
                 ts: m.created_ms,
@@ -1401,6 +1542,7 @@ pub fn build_user(
         memories: mems,
         unresolved,
         history,
+        rows_cut: 0,
         bytes,
     })
 }
@@ -1693,6 +1835,93 @@ mod tests {
         )
     }
 
+    /// Through real LanceDB tables: past `serve.max_user_rows` a user's
+    /// corpus holds their most recent turns, by timestamp and then event
+    /// id (so equal timestamps cannot make the cut let everything in), and
+    /// says how many it left out.
+    #[tokio::test]
+    async fn a_user_is_served_their_most_recent_rows_only() {
+        use crate::metrics::Metrics;
+        use crate::sink::LanceSink;
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::load_with_env(None, []).unwrap();
+        config.lancedb.uri = dir.path().to_str().unwrap().to_owned();
+        config.serve.kinds = vec![CorpusKind::Dialogue];
+        let sink = LanceSink::open(&config.lancedb, Metrics::new(&[]))
+            .await
+            .unwrap();
+        for (id, ts) in [("a1", 1), ("a2", 2), ("b3", 3), ("a3", 3), ("a4", 4)] {
+            write_turn(&sink, "ann", id, ts).await;
+        }
+        write_turn(&sink, "ben", "b1", 9).await;
+        let tables = Tables::new(
+            crate::sink::connect(&config.lancedb).await.unwrap(),
+            SignalSources::default(),
+        );
+        tables.versions().await.unwrap();
+        let snap = tables.load_shared().await.unwrap();
+        for (max, kept, cut) in [
+            (10, &["a1", "a2", "a3", "b3", "a4"][..], 0),
+            (3, &["a3", "b3", "a4"], 2),
+            (2, &["b3", "a4"], 3),
+            (1, &["a4"], 4),
+        ] {
+            config.serve.max_user_rows = max;
+            let u = tables.user(&config.serve, &snap, "ann").await.unwrap();
+            let ids: Vec<&str> = u.corpus.entries.iter().map(|e| e.id.as_str()).collect();
+            assert_eq!(ids, kept, "max_user_rows = {max}");
+            assert_eq!(u.rows_cut, cut, "max_user_rows = {max}");
+            // Each kept turn found its vector under the same cut.
+            assert_eq!(u.corpus.index.rows().len(), kept.len());
+        }
+    }
+
+    /// A session answers with the turns of the window that matched, and
+    /// any text is cut at the byte limit on a character boundary.
+    #[test]
+    fn an_answer_hands_over_the_matched_window_within_its_byte_limit() {
+        let (u, _) = load(true);
+        let s1 = u.corpus.entries.iter().position(|e| e.id == "s1").unwrap();
+        let e = &u.corpus.entries[s1];
+        let w = |start, end| Window {
+            event_id: String::new(),
+            start,
+            end,
+        };
+        let text = |win: Option<&Window>, max| {
+            let a = e.answer_text(win, max);
+            (a.content, a.truncated, a.source_event_ids)
+        };
+        let ids = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            text(Some(&w(0, 1)), 1000),
+            ("user: More Coltrane?".to_owned(), false, ids(&["t1"]))
+        );
+        assert_eq!(text(Some(&w(1, 2)), 1000).0, "assistant: Try Blue Train.");
+        assert_eq!(text(Some(&w(1, 2)), 1000).2, ids(&["t2"]));
+        assert_eq!(text(Some(&w(0, 2)), 1000).0, e.content);
+        assert_eq!(
+            text(None, 1000),
+            (e.content.clone(), false, ids(&["t1", "t2"]))
+        );
+        // A window past the turns (a stale one) hands over the whole row.
+        assert_eq!(text(Some(&w(1, 9)), 1000).0, e.content);
+        assert_eq!(
+            text(Some(&w(0, 1)), 8),
+            ("user: Mo".to_owned(), true, ids(&["t1"]))
+        );
+        // Cut inside the first turn: the second is not handed over.
+        assert_eq!(text(None, 8), ("user: Mo".to_owned(), true, ids(&["t1"])));
+        let wide = Entry {
+            content: "ééé".to_owned(),
+            turn_ends: Vec::new(),
+            ..e.clone()
+        };
+        let a = wide.answer_text(None, 3);
+        assert_eq!((a.content.as_str(), a.truncated), ("é", true));
+    }
+
     /// Through real LanceDB tables: a user is read by id; appends, deletes
     /// and rewrites are told apart, so that exactly the users whose rows
     /// changed are evicted and a compaction evicts nobody.
@@ -1878,10 +2107,30 @@ mod tests {
         assert!(c.user("a").is_some());
         c.insert_members(7, Arc::new(Members::default()), c.generation());
         assert_eq!(c.stats().prototypes, 1);
+        // A change of one user refuses only the fills of that user: one
+        // user written to on every refresh keeps nobody else from being
+        // kept (issue 44, item 3), and is kept itself between its writes.
+        let g = c.generation();
+        c.invalidate(&Changes {
+            users: HashSet::from(["busy".to_owned()]),
+            ..Changes::default()
+        });
+        c.insert_user("calm", sized(10, false), g);
+        assert!(c.user("calm").is_some(), "another user's change");
+        c.insert_user("busy", sized(10, false), g);
+        assert!(c.user("busy").is_none(), "its own change");
+        c.insert_members(8, Arc::new(Members::default()), g);
+        assert_eq!(c.stats().prototypes, 2);
+        c.insert_user("busy", sized(10, false), c.generation());
+        assert!(c.user("busy").is_some());
+        // Everything changed: every fill that began before is refused.
+        let g = c.generation();
         c.invalidate(&Changes {
             all: true,
             ..Changes::default()
         });
         assert_eq!(c.stats(), CacheStats::default());
+        c.insert_user("calm", sized(10, false), g);
+        assert!(c.user("calm").is_none());
     }
 }

@@ -52,7 +52,7 @@ pub struct ServeMetrics {
     pub cache_bytes: IntGauge,
     /// Cache entries, by kind (user, prototype).
     pub cache_entries: IntGaugeVec,
-    /// Cache look-ups, by kind and result (hit, miss).
+    /// Cache look-ups, by kind and result (hit, miss, joined).
     pub cache_lookups: IntCounterVec,
     /// Events produced through `POST /v1/events`.
     pub events: IntCounter,
@@ -168,7 +168,7 @@ impl ServeMetrics {
         let cache_lookups = counter(
             &r,
             "steamrf_serve_cache_lookups_total",
-            "Cache look-ups, by kind (user, prototype) and result (hit, miss: read from the tables).",
+            "Cache look-ups, by kind (user, prototype) and result (hit; miss: read from the tables; joined: waited on a read of the same user already running).",
             &["kind", "result"],
         );
         let cache_evictions = counter(
@@ -213,7 +213,7 @@ impl ServeMetrics {
         let cut = counter(
             &r,
             "steamrf_retrieve_cut_total",
-            "Retrievals whose recollection stopped early, by reason (deadline: serve.request_timeout; client_gone: the connection closed).",
+            "Retrievals whose recollection stopped early, by reason (deadline: serve.request_timeout; client_gone: the connection closed; rank_deadline: a recommend's fusion stopped at serve.request_timeout).",
             &["reason"],
         );
         let token_reloads = counter(

@@ -24,10 +24,10 @@ pub mod events;
 mod mcp;
 mod metrics;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use arrow_array::cast::AsArray;
@@ -38,6 +38,8 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
 use serde::Serialize;
 use steamrf_operators::embed::Embedder;
 use steamrf_operators::passage;
@@ -57,7 +59,17 @@ use self::auth::{Auth, Scope};
 use self::cache::{Cache, Changes, Loader, Members, Snapshot, Tables, UserData, View};
 pub use self::metrics::ServeMetrics;
 use crate::config::{Config, ServeConfig};
-use crate::error::{Error, Result};
+use crate::error::{Chain, Error, Result};
+
+/// A cache fill running as its own task.
+type Fill<T> = BoxFuture<'static, Result<T, FillError>>;
+
+/// Why a fill gave no value (cloneable: waiters of one fill share it).
+#[derive(Debug, Clone)]
+enum FillError {
+    Failed(String),
+    Panicked(String),
+}
 
 /// The checked-in OpenAPI document, served at `/openapi.json`.
 pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
@@ -75,6 +87,9 @@ pub struct AppState {
     /// runs on as its own task when the request that began it gives up, so
     /// its result is kept for the next one.
     fills: Arc<Semaphore>,
+    /// User fills in flight, by user: concurrent misses for one user wait on
+    /// one read instead of each reading and building the same corpus.
+    user_fills: Mutex<HashMap<String, Shared<Fill<Arc<UserData>>>>>,
     ready: AtomicBool,
     cfg: ServeConfig,
     separator: Option<char>,
@@ -122,6 +137,7 @@ impl AppState {
             loader,
             events: None,
             fills: Arc::new(Semaphore::new(cfg.max_in_flight)),
+            user_fills: Mutex::default(),
             ready: AtomicBool::new(false),
             in_flight: Arc::new(Semaphore::new(cfg.max_in_flight)),
             cfg,
@@ -226,14 +242,13 @@ impl AppState {
         }
     }
 
-    /// Runs `fill` as its own task (it outlives a request that gives up, so
-    /// its result is cached for the next) and waits for it until `deadline`.
-    async fn fill<T: Send + 'static>(
+    /// Runs `fill` as its own task, which outlives a request that gives up
+    /// (so its result is cached for the next), under a fill permit.
+    fn spawn_fill<T: Send + 'static>(
         &self,
         kind: &'static str,
-        deadline: Instant,
         fill: impl Future<Output = Result<T>> + Send + 'static,
-    ) -> Result<T, ApiError> {
+    ) -> Result<Fill<T>, ApiError> {
         let permit = self
             .fills
             .clone()
@@ -247,12 +262,28 @@ impl AppState {
             hist.observe(started.elapsed().as_secs_f64());
             r
         });
-        match tokio::time::timeout_at(deadline.into(), task).await {
-            Ok(Ok(Ok(v))) => Ok(v),
-            Ok(Ok(Err(e))) => Err(ApiError::internal(format!(
+        Ok(async move {
+            match task.await {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(FillError::Failed(Chain(&e).to_string())),
+                Err(e) => Err(FillError::Panicked(e.to_string())),
+            }
+        }
+        .boxed())
+    }
+
+    /// Waits for a fill until `deadline`.
+    async fn wait_fill<T>(
+        kind: &'static str,
+        deadline: Instant,
+        fill: impl Future<Output = Result<T, FillError>>,
+    ) -> Result<T, ApiError> {
+        match tokio::time::timeout_at(deadline.into(), fill).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(FillError::Failed(e))) => Err(ApiError::internal(format!(
                 "reading a {kind} from the tables: {e}"
             ))),
-            Ok(Err(e)) => Err(ApiError::internal(format!(
+            Ok(Err(FillError::Panicked(e))) => Err(ApiError::internal(format!(
                 "reading a {kind} panicked: {e}"
             ))),
             Err(_) => Err(ApiError {
@@ -317,21 +348,49 @@ impl AppState {
                 .inc();
             return Ok(u);
         }
-        self.metrics
-            .cache_lookups
-            .with_label_values(&["user", "miss"])
-            .inc();
-        let (st, snap, id) = (self.clone(), snap.clone(), user_id.to_owned());
-        self.fill("user", deadline, async move {
-            let u = Arc::new(st.loader.user(&st.cfg, &snap, &id).await?);
-            let evicted = st.cache.insert_user(&id, u.clone(), since);
-            st.metrics
-                .cache_evictions
-                .with_label_values(&["capacity"])
-                .inc_by(evicted as u64);
-            Ok(u)
-        })
-        .await
+        let flight = {
+            let mut flights = self
+                .user_fills
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(f) = flights.get(user_id) {
+                self.metrics
+                    .cache_lookups
+                    .with_label_values(&["user", "joined"])
+                    .inc();
+                f.clone()
+            } else {
+                self.metrics
+                    .cache_lookups
+                    .with_label_values(&["user", "miss"])
+                    .inc();
+                let (st, snap, id) = (self.clone(), snap.clone(), user_id.to_owned());
+                let f = self
+                    .spawn_fill("user", async move {
+                        let read = async {
+                            let u = Arc::new(st.loader.user(&st.cfg, &snap, &id).await?);
+                            let evicted = st.cache.insert_user(&id, u.clone(), since);
+                            st.metrics
+                                .cache_evictions
+                                .with_label_values(&["capacity"])
+                                .inc_by(evicted as u64);
+                            Ok(u)
+                        };
+                        let r = read.await;
+                        // Kept (or refused) by the cache first, so a miss
+                        // after this finds it there or starts a new read.
+                        st.user_fills
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .remove(&id);
+                        r
+                    })?
+                    .shared();
+                flights.insert(user_id.to_owned(), f.clone());
+                f
+            }
+        };
+        Self::wait_fill("user", deadline, flight).await
     }
 
     /// The members of the published prototypes `user`'s memories are in:
@@ -367,38 +426,36 @@ impl AppState {
             return Ok(out);
         }
         let (st, snap) = (self.clone(), snap.clone());
-        let filled = self
-            .fill("prototype", deadline, async move {
-                let ids: Vec<MemoryId> = missing
-                    .iter()
-                    .filter_map(|p| snap.prototypes.get(p))
-                    .flat_map(|p| p.members.iter().copied())
-                    .collect();
-                let mut by_proto: BTreeMap<MemoryId, Vec<_>> =
-                    missing.iter().map(|&p| (p, Vec::new())).collect();
-                for m in st.loader.memories(&ids).await? {
-                    if let Some(list) = snap
-                        .community_of
-                        .get(&m.id)
-                        .and_then(|p| by_proto.get_mut(p))
-                    {
-                        list.push(m);
-                    }
+        let fill = self.spawn_fill("prototype", async move {
+            let ids: Vec<MemoryId> = missing
+                .iter()
+                .filter_map(|p| snap.prototypes.get(p))
+                .flat_map(|p| p.members.iter().copied())
+                .collect();
+            let mut by_proto: BTreeMap<MemoryId, Vec<_>> =
+                missing.iter().map(|&p| (p, Vec::new())).collect();
+            for m in st.loader.memories(&ids).await? {
+                if let Some(list) = snap
+                    .community_of
+                    .get(&m.id)
+                    .and_then(|p| by_proto.get_mut(p))
+                {
+                    list.push(m);
                 }
-                let mut out = Vec::with_capacity(by_proto.len());
-                for (p, mems) in by_proto {
-                    let m = Arc::new(Members::new(p, mems, st.min_users));
-                    let evicted = st.cache.insert_members(p, m.clone(), since);
-                    st.metrics
-                        .cache_evictions
-                        .with_label_values(&["capacity"])
-                        .inc_by(evicted as u64);
-                    out.push(m);
-                }
-                Ok(out)
-            })
-            .await?;
-        out.extend(filled);
+            }
+            let mut out = Vec::with_capacity(by_proto.len());
+            for (p, mems) in by_proto {
+                let m = Arc::new(Members::new(p, mems, st.min_users));
+                let evicted = st.cache.insert_members(p, m.clone(), since);
+                st.metrics
+                    .cache_evictions
+                    .with_label_values(&["capacity"])
+                    .inc_by(evicted as u64);
+                out.push(m);
+            }
+            Ok(out)
+        })?;
+        out.extend(Self::wait_fill("prototype", deadline, fill).await?);
         Ok(out)
     }
 
@@ -539,7 +596,7 @@ pub struct Provenance {
     pub table: &'static str,
     /// Key(s) in it.
     pub ids: Vec<String>,
-    /// Source events.
+    /// The events behind `content` (a session's: the turns it hands over).
     pub source_event_ids: Vec<String>,
     /// Kafka partition of the (first) source event.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -556,8 +613,12 @@ pub struct Item {
     pub kind: cache::EntryKind,
     /// Its id.
     pub id: String,
-    /// Its text.
+    /// Its text: a session's matched passage window (its turns), any row
+    /// at most `serve.max_item_bytes`.
     pub content: String,
+    /// `content` was cut at `serve.max_item_bytes`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub content_truncated: bool,
     /// The fused score: `dense + lexical_weight · lexical` (the order).
     pub score: f32,
     /// The dense part: `mix ·` the best window's cosine `+ (1 − mix) ·` the
@@ -628,6 +689,9 @@ pub struct Explanation {
     pub lexical_only: usize,
     /// Rows in the user's corpus.
     pub corpus_rows: usize,
+    /// The user's interactions older than the `serve.max_user_rows` most
+    /// recent ones: in the tables, not searched.
+    pub user_rows_cut: usize,
     /// Whether the corpus is searched approximately (IVF).
     pub approximate: bool,
     /// Recollection stopped early at `serve.request_timeout`: the rows are
@@ -963,10 +1027,12 @@ fn answer(
                 let first = corpus.first_window(h.row)?;
                 e.windows.get(w.checked_sub(first)? as usize).cloned()
             });
+            let text = e.answer_text(passage.as_ref(), st.cfg.max_item_bytes.0);
             Some(Item {
                 kind: e.kind,
                 id: e.id.clone(),
-                content: e.content.clone(),
+                content: text.content,
+                content_truncated: text.truncated,
                 score: h.score,
                 dense: h.dense,
                 lexical: h.lexical,
@@ -975,7 +1041,7 @@ fn answer(
                 provenance: Provenance {
                     table: e.table,
                     ids: vec![e.id.clone()],
-                    source_event_ids: e.source_event_ids.clone(),
+                    source_event_ids: text.source_event_ids,
                     partition: e.source.map(|s| s.0),
                     offset: e.source.map(|s| s.1),
                 },
@@ -999,6 +1065,7 @@ fn answer(
             filled: a.filled,
             lexical_only: a.lexical_only,
             corpus_rows: corpus.len(),
+            user_rows_cut: view.user.rows_cut,
             approximate: corpus.rows().is_approximate(),
             truncated: a.truncated,
             table_versions: view.snap.versions.clone(),
@@ -1108,6 +1175,9 @@ pub struct RecommendResponse {
     pub user_id: String,
     /// Best first; unknown items last.
     pub ranked: Vec<RankedItem>,
+    /// The ranker's fusion stopped at `serve.request_timeout`: the order is
+    /// STEAM's alone and `signals` are absent.
+    pub truncated: bool,
 }
 
 async fn recommend(State(st): State<Arc<AppState>>, req: Request) -> Response {
@@ -1140,13 +1210,13 @@ async fn recommend_as(
     // Up to MAX_CANDIDATES retrievals: off the async workers.
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        rank(&st2, &view, req)
+        rank(&st2, &view, req, deadline)
     })
     .await
     .map_err(|e| ApiError::internal(format!("ranking panicked: {e}")))
 }
 
-fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse {
+fn rank(st: &AppState, view: &View, req: RecommendRequest, deadline: Instant) -> RecommendResponse {
     let mut known = Vec::new();
     let mut unknown = Vec::new();
     for c in &req.candidates {
@@ -1162,21 +1232,32 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
     let steam = steam_retrieve::recommend(view, &req.user_id, &known, &params);
     // The ranker (`serve.ranker`, the one `eval steam` measures): STEAM's
     // order, or STEAM fused with item-CF, BM25 and popularity.
+    // Past the request's deadline the fusion stops and the answer keeps
+    // STEAM's order (`truncated`), as recollection answers with what it has.
     let weights = st.cfg.ranker.weights();
-    let fused = (!weights.steam_only()).then(|| {
-        let cands: Vec<&str> = steam.iter().map(|r| r.item_id.as_str()).collect();
-        let history: Vec<&str> = view.user.history.iter().map(String::as_str).collect();
-        let scores: Vec<f64> = steam.iter().map(|r| f64::from(r.score)).collect();
-        let features = rank::features(
-            &scores,
-            &history,
-            &cands,
-            view.snap.signals(&req.user_id),
-            st.cfg.ranker.params(),
-        );
-        let fused = rank::score(&weights, &features);
-        (features, fused)
-    });
+    let mut truncated = false;
+    let fused = (!weights.steam_only())
+        .then(|| {
+            let cands: Vec<&str> = steam.iter().map(|r| r.item_id.as_str()).collect();
+            let history: Vec<&str> = view.user.history.iter().map(String::as_str).collect();
+            let scores: Vec<f64> = steam.iter().map(|r| f64::from(r.score)).collect();
+            let features = rank::features_until(
+                &scores,
+                &history,
+                &cands,
+                view.snap.signals(&req.user_id),
+                st.cfg.ranker.params(),
+                &|| Instant::now() >= deadline,
+            );
+            truncated = features.is_none();
+            let features = features?;
+            let fused = rank::score(&weights, &features);
+            Some((features, fused))
+        })
+        .flatten();
+    if truncated {
+        st.metrics.cut.with_label_values(&["rank_deadline"]).inc();
+    }
     let mut ranked: Vec<RankedItem> = steam
         .into_iter()
         .enumerate()
@@ -1250,6 +1331,7 @@ fn rank(st: &AppState, view: &View, req: RecommendRequest) -> RecommendResponse 
     RecommendResponse {
         user_id: req.user_id,
         ranked,
+        truncated,
     }
 }
 
@@ -1381,7 +1463,7 @@ impl TokensFile {
             }
             Err(e) => {
                 st.metrics.token_reloads.with_label_values(&["error"]).inc();
-                tracing::warn!(path = %self.path, error = %e, "The tokens file changed but does not parse; keeping the tokens in force.");
+                tracing::warn!(path = %self.path, error = %Chain(&e), "The tokens file changed but does not parse; keeping the tokens in force.");
                 self.last_error = Some(e.to_string());
             }
         }
@@ -1404,7 +1486,7 @@ async fn refresh_loop(st: Arc<AppState>, tables: Arc<Tables>, stop: Arc<AtomicBo
             Ok(v) => v,
             Err(e) => {
                 st.metrics.refreshes.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, stale_s = st.staleness().as_secs_f64(), "Checking table versions failed; serving the previous snapshot.");
+                tracing::warn!(error = %Chain(&e), stale_s = st.staleness().as_secs_f64(), "Checking table versions failed; serving the previous snapshot.");
                 continue;
             }
         };
@@ -1433,7 +1515,7 @@ async fn refresh_loop(st: Arc<AppState>, tables: Arc<Tables>, stop: Arc<AtomicBo
                 if (evicted > 0 || changes.all)
                     && let Err(e) = tokio::task::spawn_blocking(crate::alloc::trim).await
                 {
-                    tracing::warn!(error = %e, "Trimming the heap failed.");
+                    tracing::warn!(error = %Chain(&e), "Trimming the heap failed.");
                 }
                 tracing::debug!(
                     users = changes.users.len(),
@@ -1446,7 +1528,7 @@ async fn refresh_loop(st: Arc<AppState>, tables: Arc<Tables>, stop: Arc<AtomicBo
             }
             Err(e) => {
                 st.metrics.refreshes.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, stale_s = st.staleness().as_secs_f64(), "Refreshing from the tables failed; serving the previous snapshot.");
+                tracing::warn!(error = %Chain(&e), stale_s = st.staleness().as_secs_f64(), "Refreshing from the tables failed; serving the previous snapshot.");
             }
         }
     }
@@ -1588,7 +1670,7 @@ pub async fn serve_connections(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
-                    tracing::warn!(error = %e, "Accepting a connection failed; retrying in 100 ms.");
+                    tracing::warn!(error = %Chain(&e), "Accepting a connection failed; retrying in 100 ms.");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
@@ -1596,14 +1678,14 @@ pub async fn serve_connections(
             () = &mut shutdown => break,
         };
         if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, "Setting TCP_NODELAY failed.");
+            tracing::debug!(error = %Chain(&e), "Setting TCP_NODELAY failed.");
         }
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
             let _slot = slot;
             if let Err(e) = conn.await {
-                tracing::trace!(error = %e, "Connection ended with an error.");
+                tracing::trace!(error = %Chain(&e), "Connection ended with an error.");
             }
         });
     }

@@ -78,7 +78,7 @@ impl Loader for Fixed {
         _cfg: &'a ServeConfig,
         _snap: &'a Snapshot,
         user_id: &'a str,
-    ) -> futures::future::BoxFuture<'a, Result<UserData>> {
+    ) -> BoxFuture<'a, Result<UserData>> {
         Box::pin(async move {
             let (entries, rows) = self.corpora.get(user_id).cloned().unwrap_or_default();
             let store = |rows: Vec<f32>| {
@@ -110,15 +110,13 @@ impl Loader for Fixed {
                 },
                 unresolved: false,
                 history: self.histories.get(user_id).cloned().unwrap_or_default(),
+                rows_cut: 0,
                 bytes: 1000,
             })
         })
     }
 
-    fn memories<'a>(
-        &'a self,
-        ids: &'a [MemoryId],
-    ) -> futures::future::BoxFuture<'a, Result<Vec<Memory>>> {
+    fn memories<'a>(&'a self, ids: &'a [MemoryId]) -> BoxFuture<'a, Result<Vec<Memory>>> {
         Box::pin(async move {
             Ok(ids
                 .iter()
@@ -139,6 +137,7 @@ fn fixed() -> Fixed {
             source_event_ids: vec!["t1".into()],
             source: Some((0, 41)),
             windows: Vec::new(),
+            turn_ends: Vec::new(),
         },
         Entry {
             kind: EntryKind::Dialogue,
@@ -148,6 +147,7 @@ fn fixed() -> Fixed {
             source_event_ids: vec!["t2".into()],
             source: Some((0, 42)),
             windows: Vec::new(),
+            turn_ends: Vec::new(),
         },
     ];
     let mut rows = jazz(0.5);
@@ -648,6 +648,27 @@ async fn a_fused_ranker_follows_its_weights_and_reports_each_signal() {
         "{v}"
     );
     assert!(ranked[2].get("signals").is_none());
+    assert_eq!(v["truncated"], false);
+
+    // Issue 44, items 9–10: ranker work honours the request deadline. Past
+    // it the fusion stops; the answer keeps STEAM's order and says so.
+    let view = st
+        .view("acme:ann", true, Instant::now() + Duration::from_secs(5))
+        .await
+        .unwrap();
+    let req: RecommendRequest = serde_json::from_value(
+        json!({"user_id": "acme:ann", "candidates": ["dave", "far", "mystery"]}),
+    )
+    .unwrap();
+    let cut = rank(&st, &view, req, Instant::now());
+    assert!(cut.truncated);
+    let ids: Vec<&str> = cut.ranked.iter().map(|r| r.item_id.as_str()).collect();
+    assert_eq!(ids, ["dave", "far", "mystery"], "STEAM's order");
+    assert!(cut.ranked.iter().all(|r| r.signals.is_none()));
+    assert_eq!(
+        st.metrics.cut.with_label_values(&["rank_deadline"]).get(),
+        1
+    );
 }
 
 #[tokio::test]
@@ -778,7 +799,7 @@ struct FnEmbedder<F>(steamrf_operators::embed::EmbedStats, F);
 
 impl<F> Embedder for FnEmbedder<F>
 where
-    F: Fn(Vec<String>) -> futures::future::BoxFuture<'static, EmbedResult> + Send + Sync + 'static,
+    F: Fn(Vec<String>) -> BoxFuture<'static, EmbedResult> + Send + Sync + 'static,
 {
     fn dim(&self) -> usize {
         EMBEDDING_DIM
@@ -786,7 +807,7 @@ where
     fn model_id(&self) -> &str {
         "test"
     }
-    fn embed(&self, texts: Vec<String>) -> futures::future::BoxFuture<'static, EmbedResult> {
+    fn embed(&self, texts: Vec<String>) -> BoxFuture<'static, EmbedResult> {
         (self.1)(texts)
     }
     fn stats(&self) -> &steamrf_operators::embed::EmbedStats {
@@ -796,7 +817,7 @@ where
 
 fn fn_embedder<F>(f: F) -> Option<Arc<dyn Embedder>>
 where
-    F: Fn(Vec<String>) -> futures::future::BoxFuture<'static, EmbedResult> + Send + Sync + 'static,
+    F: Fn(Vec<String>) -> BoxFuture<'static, EmbedResult> + Send + Sync + 'static,
 {
     Some(Arc::new(FnEmbedder(Default::default(), f)))
 }
@@ -1065,6 +1086,18 @@ async fn slow_clients_are_cut_off_and_do_not_starve_others() {
 struct Gated {
     inner: Fixed,
     gate: Arc<Semaphore>,
+    /// User reads begun.
+    reads: Arc<AtomicU64>,
+}
+
+impl Gated {
+    fn new(gate: &Arc<Semaphore>) -> Self {
+        Self {
+            inner: fixed(),
+            gate: gate.clone(),
+            reads: Arc::default(),
+        }
+    }
 }
 
 impl Loader for Gated {
@@ -1073,17 +1106,15 @@ impl Loader for Gated {
         cfg: &'a ServeConfig,
         snap: &'a Snapshot,
         user_id: &'a str,
-    ) -> futures::future::BoxFuture<'a, Result<UserData>> {
+    ) -> BoxFuture<'a, Result<UserData>> {
         Box::pin(async move {
+            self.reads.fetch_add(1, Ordering::Relaxed);
             drop(self.gate.acquire().await.unwrap());
             self.inner.user(cfg, snap, user_id).await
         })
     }
 
-    fn memories<'a>(
-        &'a self,
-        ids: &'a [MemoryId],
-    ) -> futures::future::BoxFuture<'a, Result<Vec<Memory>>> {
+    fn memories<'a>(&'a self, ids: &'a [MemoryId]) -> BoxFuture<'a, Result<Vec<Memory>>> {
         self.inner.memories(ids)
     }
 }
@@ -1104,10 +1135,7 @@ async fn members_read_from_a_snapshot_a_refresh_replaced_are_not_kept() {
         Auth::open(),
         ServeMetrics::new(),
         Snapshot::default(),
-        Arc::new(Gated {
-            inner: fixed(),
-            gate: gate.clone(),
-        }),
+        Arc::new(Gated::new(&gate)),
     ));
     st.publish(snapshot());
     let ann_protos: Vec<MemoryId> = {
@@ -1146,6 +1174,61 @@ async fn members_read_from_a_snapshot_a_refresh_replaced_are_not_kept() {
         .await
         .unwrap();
     assert!(st.cache.members(ann_protos[0]).is_some());
+}
+
+/// Issue 44, item 3: concurrent misses for one user (an agent retrying,
+/// or a client hammering one large user) share one read and one fill
+/// permit instead of each reading and building the same corpus; other
+/// users still get permits of their own.
+#[tokio::test]
+async fn concurrent_misses_for_one_user_share_one_read() {
+    let gate = Arc::new(Semaphore::new(0));
+    let loader = Arc::new(Gated::new(&gate));
+    let reads = loader.reads.clone();
+    let cfg = config();
+    let permits = cfg.max_in_flight;
+    let st = Arc::new(AppState::new(
+        cfg,
+        Some(':'),
+        None,
+        Auth::open(),
+        ServeMetrics::new(),
+        Snapshot::default(),
+        loader,
+    ));
+    st.publish(snapshot());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let views: Vec<_> = (0..16)
+        .map(|_| {
+            let st = st.clone();
+            tokio::spawn(async move {
+                st.view("acme:ann", false, deadline)
+                    .await
+                    .map(|v| v.user.corpus.entries.len())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(reads.load(Ordering::Relaxed), 1, "one read for 16 misses");
+    assert_eq!(st.fills.available_permits(), permits - 1);
+    gate.add_permits(1);
+    for v in views {
+        assert!(v.await.unwrap().unwrap() > 0);
+    }
+    assert_eq!(reads.load(Ordering::Relaxed), 1);
+    let lookups = |r| {
+        st.metrics
+            .cache_lookups
+            .with_label_values(&["user", r])
+            .get()
+    };
+    assert_eq!((lookups("miss"), lookups("joined")), (1, 15));
+    // Cached now; another user reads on their own.
+    st.view("acme:ann", false, deadline).await.unwrap();
+    gate.add_permits(1);
+    st.view("acme:ben", false, deadline).await.unwrap();
+    assert_eq!(reads.load(Ordering::Relaxed), 2);
+    assert_eq!(st.fills.available_permits(), permits);
 }
 
 /// `serve.max_connections`: idle clients holding every slot keep the

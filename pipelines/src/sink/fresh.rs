@@ -42,6 +42,8 @@ use lance::dataset::transaction::{Operation, Transaction, UpdateMode};
 use lance::dataset::write::merge_insert::inserted_rows::{FilterType, KeyExistenceFilter};
 use lance::dataset::{CommitBuilder, InsertBuilder, WriteMode, WriteParams};
 
+use crate::error::Chain;
+
 /// The hash LanceDB compares in a commit's exact key set: its
 /// `KeyValue::String(key).hash_value()`, without that one's two copies of
 /// the key.
@@ -297,7 +299,7 @@ impl Ledger {
                 // Pruned, or unreadable now: what it added is unknown.
                 Ok(None) => return Learned::Unknown,
                 Err(e) => {
-                    tracing::warn!(version = v, error = %e, "Could not read a commit's transaction.");
+                    tracing::warn!(version = v, error = %Chain(&e), "Could not read a commit's transaction.");
                     return Learned::Unknown;
                 }
             };

@@ -58,21 +58,43 @@ const TOPICS: usize = 64;
 const MAX_OUTSTANDING: usize = 512;
 
 /// Turns `ids` (user, turn) as `interactions` rows (user `u<user>`, event
-/// `soak-u<user>-t<turn>`) and their `turn_vectors` rows, with vectors from
-/// `vector(user, turn)`.
+/// `soak-u<user>-t<turn>`, sessions of 10 turns) and their `turn_vectors`
+/// rows, with vectors from `vector(user, turn)`.
 pub(super) fn turns(
     ids: &[(usize, usize)],
     first_offset: i64,
+    vector: impl FnMut(usize, usize) -> Vec<f32>,
+) -> Result<TableBatches> {
+    turns_shaped(ids, first_offset, 10, 0, vector)
+}
+
+/// [`turns`] with sessions of `session_turns` turns and each turn's text
+/// padded with filler words to about `text_bytes`.
+pub(super) fn turns_shaped(
+    ids: &[(usize, usize)],
+    first_offset: i64,
+    session_turns: usize,
+    text_bytes: usize,
     mut vector: impl FnMut(usize, usize) -> Vec<f32>,
 ) -> Result<TableBatches> {
+    const FILLER: [&str; 8] = [
+        "jazz", "rent", "ferry", "garden", "invoice", "sister", "guitar", "lisbon",
+    ];
     let mut builders = TableBuilders::default();
     let mut vectors = Vec::with_capacity(ids.len() * steamrf_schemas::tables::EMBEDDING_DIM);
     for (i, &(u, r)) in ids.iter().enumerate() {
         let t = topic_of(u, r);
+        let mut text = format!("user {u} turn {r} on topic {t}");
+        let mut w = r;
+        while text.len() < text_bytes {
+            text.push(' ');
+            text.push_str(FILLER[w % FILLER.len()]);
+            w = w / 3 + 7 * i;
+        }
         let json = format!(
-            r#"{{"schema_version":1,"event_id":"soak-u{u}-t{r}","timestamp":{},"type":"dialogue_turn","user_id":"u{u}","session_id":"s{}","role":"user","text":"user {u} turn {r} on topic {t}"}}"#,
+            r#"{{"schema_version":1,"event_id":"soak-u{u}-t{r}","timestamp":{},"type":"dialogue_turn","user_id":"u{u}","session_id":"s{}","role":"user","text":"{text}"}}"#,
             1_764_000_000_000i64 + r as i64,
-            r / 10
+            r / session_turns.max(1)
         );
         let event = decode(json.as_bytes()).map_err(internal)?;
         builders.append(
@@ -161,8 +183,9 @@ impl Drop for Child {
     }
 }
 
-/// This binary's `serve` over `lance` on a free loopback port, with text
-/// queries off and `serve_toml` added to its `[serve]` section.
+/// This binary's `serve` (or `$STEAMRF_SERVE_BIN`'s) over `lance` on a free
+/// loopback port, with text queries off and `serve_toml` added to its
+/// `[serve]` section.
 pub(super) fn start_service(
     dir: &Path,
     lance: &LanceDbConfig,
@@ -189,7 +212,11 @@ pub(super) fn start_service(
     };
     std::fs::write(&config, text).map_err(io("writing the soak config"))?;
     let log = std::fs::File::create(dir.join("serve.log")).map_err(io("creating serve.log"))?;
-    let exe = std::env::current_exe().map_err(io("locating this binary"))?;
+    // Another build's service can be measured against this one's.
+    let exe = match std::env::var_os("STEAMRF_SERVE_BIN") {
+        Some(bin) => std::path::PathBuf::from(bin),
+        None => std::env::current_exe().map_err(io("locating this binary"))?,
+    };
     let child = std::process::Command::new(exe)
         .arg("serve")
         .arg("--config")
