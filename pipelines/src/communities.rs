@@ -34,7 +34,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use steamrf_operators::steam::memory::Memory;
 
 use crate::config::{CommunitiesMode, Config};
-use crate::error::{Error, Result};
+use crate::error::{Chain, Error, Result};
 use crate::metrics::Metrics;
 use crate::source::{self, KafkaConsumer};
 use crate::steam::{Change, SteamStage, Tombstone, decode_change};
@@ -87,7 +87,7 @@ fn collect(
         match consumer.poll(wait) {
             None if deadline.is_none() => break,
             None => {}
-            Some(Err(e)) => tracing::warn!(error = %e, "Polling the changes topic failed."),
+            Some(Err(e)) => tracing::warn!(error = %Chain(&e), "Polling the changes topic failed."),
             Some(Ok(m)) => {
                 deadline.get_or_insert_with(|| Instant::now() + linger);
                 c.offsets
@@ -106,7 +106,7 @@ fn collect(
                         // or a foreign producer. Skipping it loses nothing the
                         // `memories` table does not still hold.
                         c.malformed += 1;
-                        tracing::error!(offset = m.offset(), error = %e, "Skipping a malformed memory-changes record.");
+                        tracing::error!(offset = m.offset(), error = %Chain(&e), "Skipping a malformed memory-changes record.");
                     }
                 }
             }
@@ -153,6 +153,7 @@ async fn run_inner(
     ready: Arc<AtomicBool>,
 ) -> Result<WriterSummary> {
     let topic = config.steam.changes_topic.clone();
+    source::check_brokers(&config.kafka).await?;
     let db = crate::sink::connect(&config.lancedb).await?;
     let kernel = crate::pipeline::steam_kernel(&config, &metrics)?;
     let llm = crate::pipeline::llm_client(&config)?;

@@ -433,6 +433,9 @@ impl fmt::Debug for RemoteEmbedConfig {
 pub struct KafkaConfig {
     /// Bootstrap servers.
     pub brokers: String,
+    /// At start-up, a broker must answer within this long.
+    #[serde(with = "humantime_serde_compat")]
+    pub connect_timeout: Duration,
     /// Consumer group id.
     pub group_id: String,
     /// Topics to consume.
@@ -513,12 +516,15 @@ pub struct LanceDbConfig {
     pub storage_options: BTreeMap<String, String>,
 }
 
+/// Whether a key names a secret, whose value is never printed (a path to
+/// one, `….location` or `…_file`, is printed).
 fn is_secret(key: &str) -> bool {
     let k = key.to_ascii_lowercase();
     ["password", "secret", "token", "key"]
         .iter()
         .any(|s| k.contains(s))
         && !k.ends_with(".location")
+        && !k.ends_with("_file")
 }
 
 /// An empty secret shows as empty; any other as `<redacted>`.
@@ -545,6 +551,7 @@ impl fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaConfig")
             .field("brokers", &self.brokers)
+            .field("connect_timeout", &self.connect_timeout)
             .field("group_id", &self.group_id)
             .field("topics", &self.topics)
             .field("dead_letter_topic", &self.dead_letter_topic)
@@ -754,6 +761,17 @@ fn apply_env(table: &mut Table, vars: impl IntoIterator<Item = (String, String)>
     }
 }
 
+/// Replaces the non-empty string values of secret keys, at any depth.
+fn redact_table(table: &mut Table) {
+    for (k, v) in table.iter_mut() {
+        match v {
+            Value::Table(t) => redact_table(t),
+            Value::String(s) if is_secret(k) && !s.is_empty() => *s = "<redacted>".to_owned(),
+            _ => {}
+        }
+    }
+}
+
 /// The merged configuration tree, before typing.
 fn layered(
     file: Option<&Path>,
@@ -861,12 +879,60 @@ impl Config {
         }
     }
 
+    /// The effective configuration (defaults, the file, then the
+    /// environment) as TOML, the format it is written in, once it is valid:
+    /// every key with its value, secrets (passwords, keys, tokens) shown as
+    /// `<redacted>`. Keys are sorted within each section.
+    ///
+    /// # Errors
+    /// [`Error::Config`] listing every problem found.
+    pub fn effective_toml(file: Option<&Path>) -> Result<String> {
+        Self::effective_toml_with_env(file, std::env::vars())
+    }
+
+    /// As [`Config::effective_toml`], with an explicit environment.
+    ///
+    /// # Errors
+    /// [`Error::Config`] listing every problem found.
+    pub fn effective_toml_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<String> {
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        Self::load_with_env(file, env.clone())?;
+        let mut table = layered(file, env).map_err(|problems| Error::Config { problems })?;
+        redact_table(&mut table);
+        toml::to_string_pretty(&table).map_err(|e| Error::Internal {
+            message: format!("printing the configuration as TOML: {e}"),
+        })
+    }
+
+    /// What is valid but probably not meant. Empty when nothing stands out.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        let loopback = self
+            .serve
+            .listen
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| a.ip().is_loopback());
+        if self.serve.tokens_file.is_empty() && !loopback {
+            w.push(format!(
+                "serve.tokens_file is empty: the API at {} answers anyone who can reach it (set tokens for any address but loopback)",
+                self.serve.listen
+            ));
+        }
+        w
+    }
+
     /// Semantic checks that serde cannot express. Empty when valid.
     pub fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
         let k = &self.kafka;
         if k.brokers.trim().is_empty() {
             p.push("kafka.brokers: must name at least one broker".to_owned());
+        }
+        if k.connect_timeout.is_zero() {
+            p.push("kafka.connect_timeout: must be > 0".to_owned());
         }
         if k.group_id.trim().is_empty() {
             p.push("kafka.group_id: must not be empty".to_owned());
@@ -1233,6 +1299,44 @@ mod tests {
         ] {
             assert!(all.contains(needle), "missing {needle:?} in:\n{all}");
         }
+    }
+
+    /// `steamrf validate --print`: the effective configuration in the
+    /// format it is written in, pasted back as a file, loads to the same
+    /// configuration; secrets are not printed.
+    #[test]
+    fn the_effective_configuration_prints_as_toml_that_loads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        std::fs::write(
+            &file,
+            "[kafka]\nbrokers = \"b:9092\"\n[kafka.properties]\n\"sasl.password\" = \"hunter2\"\n[serve]\ntokens_file = \"/t\"\n",
+        )
+        .unwrap();
+        let env = [("STEAMRF__SERVE__MAX_K".to_owned(), "700".to_owned())];
+        let text = Config::effective_toml_with_env(Some(&file), env.clone()).unwrap();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(
+            text.contains("\"sasl.password\" = \"<redacted>\""),
+            "{text}"
+        );
+        assert!(
+            text.contains("tokens_file = \"/t\""),
+            "a path is no secret: {text}"
+        );
+        assert!(text.contains("max_k = 700"), "{text}");
+        assert!(text.contains("[serve.rfmem]"), "{text}");
+        let again = dir.path().join("again.toml");
+        std::fs::write(&again, text.replace("<redacted>", "hunter2")).unwrap();
+        let a = Config::load_with_env(Some(&file), env).unwrap();
+        let b = Config::load_with_env(Some(&again), []).unwrap();
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        // Invalid: the problems, not a half-printed file.
+        std::fs::write(&file, "[serve]\nmax_k = 0\n").unwrap();
+        assert!(matches!(
+            Config::effective_toml_with_env(Some(&file), []),
+            Err(Error::Config { .. })
+        ));
     }
 
     #[test]

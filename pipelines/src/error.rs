@@ -85,10 +85,10 @@ pub enum Error {
         source: Box<lancedb::Error>,
     },
     /// Arrow rejected a batch.
-    #[error("arrow")]
+    #[error("arrow rejected a batch")]
     Arrow(#[from] arrow_schema::ArrowError),
     /// A SQL query failed.
-    #[error("sql")]
+    #[error("the SQL query failed")]
     Sql(#[from] Box<datafusion::error::DataFusionError>),
     /// A file or socket operation failed.
     #[error("{context}")]
@@ -223,7 +223,7 @@ mod tests {
         // The workspace's own messages do not repeat their source.
         let sql = Error::from(datafusion::error::DataFusionError::Plan("no".into()));
         let all = causes(&sql);
-        assert_eq!(all[0], "sql");
+        assert_eq!(all[0], "the SQL query failed");
         assert_eq!(all.len(), 2, "{all:?}");
         let embed = Error::Embed {
             retryable: false,

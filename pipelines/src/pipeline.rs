@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::embed::EmbedStage;
-use crate::error::{Error, Result};
+use crate::error::{Chain, Error, Result};
 use crate::forget;
 use crate::metrics::Metrics;
 use crate::sink::LanceSink;
@@ -141,6 +141,7 @@ async fn run_inner(
     stop: Arc<AtomicBool>,
     ready: Arc<AtomicBool>,
 ) -> Result<RunSummary> {
+    source::check_brokers(&config.kafka).await?;
     let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
     let embedder = crate::embed::embedder(&config.embed)?;
     let stage = Arc::new(
@@ -280,7 +281,7 @@ async fn run_inner(
             last_optimize = Instant::now();
             if let Err(e) = sink.optimize().await {
                 // Compaction is housekeeping: log, count, and carry on.
-                tracing::warn!(error = %e, "Table optimisation failed.");
+                tracing::warn!(error = %Chain(&e), "Table optimisation failed.");
                 metrics.error("sink", &e);
             }
         }
@@ -313,7 +314,7 @@ async fn run_inner(
     if !owned.is_empty() {
         let tpl = offsets_list(owned.into_iter())?;
         if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
-            tracing::warn!(error = %e, "Final synchronous commit failed; the last batch may be replayed (writes are idempotent).");
+            tracing::warn!(error = %Chain(&e), "Final synchronous commit failed; the last batch may be replayed (writes are idempotent).");
         }
     }
     tracing::info!(
@@ -482,7 +483,7 @@ async fn write_batch(
             }
             Err(e) => {
                 metrics.commits.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, "Offset commit failed; the batch may be replayed (writes are idempotent).");
+                tracing::warn!(error = %Chain(&e), "Offset commit failed; the batch may be replayed (writes are idempotent).");
             }
         }
     }

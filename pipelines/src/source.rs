@@ -267,6 +267,30 @@ fn base_client_config(cfg: &KafkaConfig) -> ClientConfig {
     c
 }
 
+/// Asks the brokers for the cluster's metadata, so that a wrong address, a
+/// firewall or bad credentials stop start-up with a clear error instead of
+/// a consumer that waits silently.
+///
+/// # Errors
+/// [`Error::Kafka`] naming the brokers when none answers within
+/// `kafka.connect_timeout`.
+pub async fn check_brokers(cfg: &KafkaConfig) -> Result<()> {
+    let client: BaseConsumer = base_client_config(cfg)
+        .create()
+        .map_err(Error::kafka("creating the client that checks the brokers"))?;
+    let timeout = cfg.connect_timeout;
+    let brokers = cfg.brokers.clone();
+    tokio::task::spawn_blocking(move || client.fetch_metadata(None, timeout).map(|_| ()))
+        .await
+        .map_err(|e| Error::Internal {
+            message: format!("checking the brokers panicked: {e}"),
+        })?
+        .map_err(Error::kafka(format!(
+            "no broker of {brokers} answered within {} (kafka.connect_timeout)",
+            humantime::format_duration(timeout)
+        )))
+}
+
 /// Checks each librdkafka property on its own, so every bad one is reported.
 pub fn check_properties(props: &BTreeMap<String, String>) -> Vec<String> {
     props

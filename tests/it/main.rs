@@ -2,6 +2,7 @@
 //! LanceDB in temp dirs, events produced with an independent client.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
+mod cli;
 mod eval;
 mod partitioning;
 mod privacy;

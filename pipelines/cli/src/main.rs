@@ -14,11 +14,15 @@ use steamrf_harness::bench;
 use steamrf_pipelines::pipeline::{self, RunOptions};
 use steamrf_pipelines::{Config, Error, Metrics, sql};
 
+/// Printed by `--help`; docs/config.md says the same.
+const EXIT_CODES: &str = "Exit codes: 0 success; 1 an error (`error:` then one `caused by:` line per cause); 2 an invalid configuration (every problem listed; `validate` on an invalid file too).";
+
 #[derive(Parser)]
 #[command(
     name = "steamrf",
     version,
-    about = "Turns Kafka user events into agent memory tables in LanceDB."
+    about = "Turns Kafka user events into agent memory tables in LanceDB.",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. "info" or "steamrf_pipelines=debug".
@@ -86,6 +90,9 @@ enum Cmd {
     Validate {
         /// The file to check.
         config: PathBuf,
+        /// Also print the effective configuration (defaults, the file, then the environment) as TOML, secrets redacted.
+        #[arg(long)]
+        print: bool,
     },
     /// Run SQL (DataFusion) over the LanceDB tables the pipeline wrote.
     Sql {
@@ -445,7 +452,12 @@ fn main() -> ExitCode {
     match runtime.block_on(real_main(cli.command)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One line per cause, each said once.
+            let causes = steamrf_pipelines::error::causes(e.as_ref());
+            eprintln!("error: {}", causes[0]);
+            for c in &causes[1..] {
+                eprintln!("  caused by: {c}");
+            }
             let config_error = e
                 .downcast_ref::<Error>()
                 .is_some_and(|e| matches!(e, Error::Config { .. }));
@@ -703,10 +715,15 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Validate { config } => match Config::load(Some(&config)) {
+        Cmd::Validate { config, print } => match Config::load(Some(&config)) {
             Ok(c) => {
                 println!("{}: ok", config.display());
-                println!("{c:#?}");
+                for w in c.warnings() {
+                    println!("  warning: {w}");
+                }
+                if print {
+                    print!("\n{}", Config::effective_toml(Some(&config))?);
+                }
                 Ok(ExitCode::SUCCESS)
             }
             Err(Error::Config { problems }) => {
