@@ -334,7 +334,7 @@ impl Metrics {
             fresh_writes: counter(
                 &r,
                 "steamrf_sink_insert_writes_total",
-                "Insert-if-absent batch writes, by path: fresh (no key lookup) or exact (keys looked up).",
+                "Insert-if-absent batch writes, by path: fresh (no key lookup) or exact (keys looked up); conflicted: a fresh write another writer's commit beat, then written by the exact path (and counted there too).",
                 &["table", "path"],
             ),
             suspect_lookups: counter(

@@ -729,6 +729,10 @@ impl LanceSink {
                     // Another writer inserted one of the keys, or rows it
                     // did not name, since `covered`: look them up.
                     tracing::debug!(table = name.as_str(), error = %Chain(&e), "A fresh batch conflicted; taking the exact path.");
+                    self.metrics
+                        .fresh_writes
+                        .with_label_values(&[label[0], "conflicted"])
+                        .inc();
                     table.checkout_latest().await?;
                 }
                 Err(e) => {
