@@ -137,7 +137,7 @@ pub async fn run(
     let topic = config.steam.changes_topic.clone();
     let metrics = Metrics::new(std::slice::from_ref(&topic));
     let ready = Arc::new(AtomicBool::new(false));
-    let server = crate::pipeline::metrics_server(metrics_addr, &metrics, &ready).await?;
+    let server = crate::http::metrics_server(metrics_addr, &metrics, &ready).await?;
     let result = run_inner(config, exit_when_idle, stop, metrics, ready).await;
     if let Some(s) = server {
         s.abort();
@@ -155,8 +155,8 @@ async fn run_inner(
     let topic = config.steam.changes_topic.clone();
     source::check_brokers(&config.kafka).await?;
     let db = crate::sink::connect(&config.lancedb).await?;
-    let kernel = crate::pipeline::steam_kernel(&config, &metrics)?;
-    let llm = crate::pipeline::llm_client(&config)?;
+    let kernel = crate::steam::kernel(&config, &metrics)?;
+    let llm = crate::steam::llm_client(&config)?;
     let mut stage = SteamStage::open(
         &db,
         config.steam_params(),

@@ -516,6 +516,26 @@ pub struct LanceDbConfig {
     pub storage_options: BTreeMap<String, String>,
 }
 
+/// Checks each librdkafka property on its own, so every bad one is reported.
+pub fn check_properties(props: &BTreeMap<String, String>) -> Vec<String> {
+    props
+        .iter()
+        .filter_map(|(k, v)| {
+            let mut c = rdkafka::ClientConfig::new();
+            c.set(k, v);
+            match c.create::<rdkafka::consumer::BaseConsumer>() {
+                Ok(_) => None,
+                Err(rdkafka::error::KafkaError::ClientConfig(_, desc, _, _)) => {
+                    Some(format!("kafka.properties.{k}: {desc}"))
+                }
+                // Properties that only make sense with others (SASL without a
+                // mechanism...) are left to the real client at start-up.
+                Err(_) => None,
+            }
+        })
+        .collect()
+}
+
 /// Whether a key names a secret, whose value is never printed (a path to
 /// one, `….location` or `…_file`, is printed).
 fn is_secret(key: &str) -> bool {
@@ -969,7 +989,7 @@ impl Config {
                 ));
             }
         }
-        p.extend(crate::source::check_properties(&k.properties));
+        p.extend(check_properties(&k.properties));
         let b = &self.batch;
         if b.max_rows == 0 {
             p.push("batch.max_rows: must be > 0".to_owned());

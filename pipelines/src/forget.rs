@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::sink::LanceSink;
+use crate::sink::admin::{delete_counted, quoted};
 use crate::steam::{SteamStage, Tombstone};
 
 /// What a forget removed.
@@ -126,33 +127,6 @@ pub(crate) fn record(metrics: &crate::Metrics, receipt: &Receipt) {
         receipt = %serde_json::to_string(receipt).unwrap_or_default(),
         "Forget done."
     );
-}
-
-/// A SQL string literal.
-pub(crate) fn quoted(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
-}
-
-/// Counts then deletes the rows matching `filter`.
-///
-/// # Errors
-/// LanceDB failures.
-pub(crate) async fn delete_counted(table: &Table, filter: &str) -> Result<u64> {
-    table
-        .checkout_latest()
-        .await
-        .map_err(Error::lance(format!("refreshing {}", table.name())))?;
-    let n = table
-        .count_rows(Some(filter.to_owned()))
-        .await
-        .map_err(Error::lance(format!("counting in {}", table.name())))? as u64;
-    if n > 0 {
-        table
-            .delete(filter)
-            .await
-            .map_err(Error::lance(format!("deleting from {}", table.name())))?;
-    }
-    Ok(n)
 }
 
 /// Forgets `user_id` everywhere steamrf stores it (module docs).
@@ -277,9 +251,9 @@ pub async fn run(config: &crate::Config, user_id: &str) -> Result<Receipt> {
             SteamStage::open(
                 &db,
                 config.steam_params(),
-                crate::pipeline::steam_kernel(config, &metrics)?,
+                crate::steam::kernel(config, &metrics)?,
                 None,
-                crate::pipeline::llm_client(config)?,
+                crate::steam::llm_client(config)?,
                 metrics,
                 None,
             )

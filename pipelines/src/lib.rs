@@ -15,6 +15,8 @@ pub mod embed;
 pub mod error;
 pub mod forget;
 pub mod http;
+#[cfg(test)]
+mod layers;
 pub mod metrics;
 pub mod migrate;
 pub mod pipeline;

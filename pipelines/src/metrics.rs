@@ -14,6 +14,9 @@ use steamrf_schemas::{DecodeErrorKind, TableName};
 
 use crate::error::ErrorKind;
 
+/// The dead-letter kind of a row whose text the embedding endpoint refused.
+pub const EMBEDDING_REJECTED: &str = "embedding_rejected";
+
 /// The pipeline's metrics, registered in their own registry.
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -531,8 +534,7 @@ impl Metrics {
         for k in DecodeErrorKind::ALL {
             m.dead_lettered.with_label_values(&[k.as_str()]);
         }
-        m.dead_lettered
-            .with_label_values(&[crate::pipeline::EMBEDDING_REJECTED]);
+        m.dead_lettered.with_label_values(&[EMBEDDING_REJECTED]);
         for r in FlushReason::ALL {
             m.batches.with_label_values(&[r.as_str()]);
         }

@@ -27,13 +27,13 @@
 //! from what is left, within tenants.
 
 use arrow_array::{RecordBatch, RecordBatchIterator};
-use arrow_schema::Schema;
 use futures::TryStreamExt;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
 use steamrf_schemas::TableName;
 
 use crate::config::LanceDbConfig;
 use crate::error::{Error, Result};
+use crate::sink::admin::pending;
 
 /// Rows per `turn_vectors` write while copying.
 const COPY_ROWS: usize = 8192;
@@ -51,38 +51,6 @@ pub struct Report {
     pub links_across_tenants: u64,
     /// Prototypes built across tenants deleted from `prototypes`.
     pub prototypes_across_tenants: u64,
-}
-
-/// The problem to report when table `name` exists with `actual`, a schema
-/// an earlier steamrf wrote that [`migrate`] upgrades; `None` for any other
-/// mismatch.
-pub fn pending(name: &str, actual: &Schema) -> Option<String> {
-    (name == TableName::Interactions.as_str() && actual.field_with_name("embedding").is_ok()).then(
-        || {
-            "table interactions was written by an earlier steamrf: it still holds the \
-             turn vectors in its `embedding` column, which now live in `turn_vectors`. \
-             Stop every ingest instance and run `steamrf migrate` (same config) once; \
-             it copies the vectors and drops the column."
-                .to_owned()
-        },
-    )
-}
-
-/// Logs a warning when `db` holds tables an earlier steamrf wrote: `serve`
-/// keeps answering from them (it reads columns by name), but without the
-/// turn vectors until [`migrate`] has run.
-pub async fn warn_if_pending(db: &lancedb::Connection) {
-    let name = TableName::Interactions.as_str();
-    let Ok(table) = db.open_table(name).execute().await else {
-        return;
-    };
-    if let Ok(schema) = table.schema().await
-        && let Some(problem) = pending(name, &schema)
-    {
-        tracing::warn!(
-            "{problem} Until then dialogue turns are answered without their vectors (not searchable as turns or sessions)."
-        );
-    }
 }
 
 /// Runs every pending migration on the database `cfg` names, and the
@@ -160,7 +128,7 @@ async fn split_tenants(
             .map(|(f, t)| format!("(from_id = {f} AND to_id = {t})"))
             .collect::<Vec<_>>()
             .join(" OR ");
-        report.links_across_tenants += crate::forget::delete_counted(&links, &filter).await?;
+        report.links_across_tenants += crate::sink::admin::delete_counted(&links, &filter).await?;
     }
     let ends: std::collections::HashSet<i64> = crossing.iter().flat_map(|&(f, t)| [f, t]).collect();
     if let Some(prototypes) = open(MemoryTable::Prototypes).await? {
@@ -182,7 +150,7 @@ async fn split_tenants(
         if !doomed.is_empty() {
             let filter = format!("prototype_id IN ({})", doomed.join(","));
             report.prototypes_across_tenants =
-                crate::forget::delete_counted(&prototypes, &filter).await?;
+                crate::sink::admin::delete_counted(&prototypes, &filter).await?;
         }
     }
     tracing::info!(
@@ -280,7 +248,7 @@ mod tests {
     use std::sync::Arc;
 
     use arrow_array::cast::AsArray;
-    use arrow_schema::Field;
+    use arrow_schema::{Field, Schema};
     use steamrf_schemas::tables::{embedding_field, turn_vectors};
 
     use super::*;

@@ -60,78 +60,12 @@ pub async fn run(
     stop: Arc<AtomicBool>,
 ) -> Result<RunSummary> {
     let ready = Arc::new(AtomicBool::new(false));
-    let server = metrics_server(opts.metrics_addr, &metrics, &ready).await?;
+    let server = crate::http::metrics_server(opts.metrics_addr, &metrics, &ready).await?;
     let result = run_inner(config, opts, metrics, stop, ready).await;
     if let Some(s) = server {
         s.abort();
     }
     result
-}
-
-/// The chat client for memory and prototype contents (`None`: no URL).
-///
-/// # Errors
-/// [`Error::Config`] for unusable options.
-pub(crate) fn llm_client(
-    config: &Config,
-) -> Result<Option<Arc<steamrf_operators::llm::ChatClient>>> {
-    config
-        .steam
-        .llm
-        .options()
-        .map(|opts| {
-            steamrf_operators::llm::ChatClient::new(opts)
-                .map(Arc::new)
-                .map_err(|e| Error::Config {
-                    problems: vec![format!("steam.llm: {e}")],
-                })
-        })
-        .transpose()
-}
-
-/// The relation-extraction kernel (`steam.kernel`), exported as a metric.
-///
-/// # Errors
-/// [`Error::Config`] when the chosen backend cannot run.
-pub(crate) fn steam_kernel(
-    config: &Config,
-    metrics: &Metrics,
-) -> Result<Arc<dyn steamrf_kernels::SimilarityKernel>> {
-    let kernel = steamrf_kernels::cuda::select(config.steam.kernel, config.steam.precision)
-        .map_err(|e| Error::Config {
-            problems: vec![format!("steam.kernel: {e}")],
-        })?;
-    metrics
-        .kernel_backend
-        .with_label_values(&[kernel.backend().as_str()])
-        .set(1);
-    Ok(kernel)
-}
-
-/// Serves `/metrics`, `/healthz`, `/readyz` on `addr` until aborted.
-///
-/// # Errors
-/// The address cannot be bound.
-pub(crate) async fn metrics_server(
-    addr: Option<SocketAddr>,
-    metrics: &Metrics,
-    ready: &Arc<AtomicBool>,
-) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>> {
-    let Some(addr) = addr else {
-        return Ok(None);
-    };
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| Error::Io {
-            context: format!("binding the metrics address {addr}"),
-            source,
-        })?;
-    tracing::info!(addr = %listener.local_addr().map_err(|source| Error::Io { context: "metrics address".into(), source })?, "Serving /metrics.");
-    Ok(Some(tokio::spawn(crate::http::serve(
-        listener,
-        metrics.clone(),
-        ready.clone(),
-    ))))
 }
 
 async fn run_inner(
@@ -154,8 +88,8 @@ async fn run_inner(
     );
     let mut steam = if config.steam.enabled {
         let db = crate::sink::connect(&config.lancedb).await?;
-        let llm = llm_client(&config)?;
-        let kernel = steam_kernel(&config, &metrics)?;
+        let llm = crate::steam::llm_client(&config)?;
+        let kernel = crate::steam::kernel(&config, &metrics)?;
         let publish = if config.steam.communities == crate::config::CommunitiesMode::Topic {
             // One partition: the single community writer reads it in order.
             source::ensure_topic(
@@ -378,11 +312,11 @@ async fn embed_batch(
         tracing::warn!(table = r.table.as_str(), partition = r.partition, offset = r.offset, reason = %r.reason, "The embedding endpoint refused a row's text; dead-lettering the row.");
         metrics
             .dead_lettered
-            .with_label_values(&[EMBEDDING_REJECTED])
+            .with_label_values(&[crate::metrics::EMBEDDING_REJECTED])
             .inc();
         let (partition, offset) = (r.partition.to_string(), r.offset.to_string());
         let fields = [
-            (source::headers::KIND, EMBEDDING_REJECTED),
+            (source::headers::KIND, crate::metrics::EMBEDDING_REJECTED),
             (source::headers::FIELD, r.field),
             (source::headers::REASON, r.reason.as_str()),
             (source::headers::PARTITION, partition.as_str()),
@@ -402,9 +336,6 @@ async fn embed_batch(
     }
     Ok(())
 }
-
-/// The dead-letter kind of a row whose text the embedding endpoint refused.
-pub const EMBEDDING_REJECTED: &str = "embedding_rejected";
 
 async fn write_batch(
     sink: &LanceSink,

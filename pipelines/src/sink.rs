@@ -30,6 +30,7 @@ use crate::config::LanceDbConfig;
 use crate::error::{Chain, Error, Result};
 use crate::metrics::Metrics;
 
+pub mod admin;
 mod fresh;
 
 /// Opens a LanceDB connection with the configured storage options.
@@ -185,7 +186,7 @@ pub async fn open_or_create_named(
             .collect::<Vec<_>>()
     };
     if names(&actual) != names(&expected) {
-        if let Some(problem) = crate::migrate::pending(name, &actual) {
+        if let Some(problem) = admin::pending(name, &actual) {
             return Err(Error::Config {
                 problems: vec![problem],
             });
@@ -421,7 +422,7 @@ pub(crate) async fn lookup(
     for chunk in keys.chunks(1000) {
         let list = chunk
             .iter()
-            .map(|k| crate::forget::quoted(k))
+            .map(|k| admin::quoted(k))
             .collect::<Vec<_>>()
             .join(",");
         let filter = match also {

@@ -291,26 +291,6 @@ pub async fn check_brokers(cfg: &KafkaConfig) -> Result<()> {
         )))
 }
 
-/// Checks each librdkafka property on its own, so every bad one is reported.
-pub fn check_properties(props: &BTreeMap<String, String>) -> Vec<String> {
-    props
-        .iter()
-        .filter_map(|(k, v)| {
-            let mut c = ClientConfig::new();
-            c.set(k, v);
-            match c.create::<BaseConsumer>() {
-                Ok(_) => None,
-                Err(KafkaError::ClientConfig(_, desc, _, _)) => {
-                    Some(format!("kafka.properties.{k}: {desc}"))
-                }
-                // Properties that only make sense with others (SASL without a
-                // mechanism...) are left to the real client at start-up.
-                Err(_) => None,
-            }
-        })
-        .collect()
-}
-
 /// Creates the group consumer and subscribes it.
 ///
 /// # Errors

@@ -710,7 +710,7 @@ impl SteamStage {
             .forget_user(self.kernel.as_ref(), user_id)
             .map_err(kernel_err)?;
         let mut out = SteamForget::default();
-        let user = crate::forget::quoted(user_id);
+        let user = crate::sink::admin::quoted(user_id);
         let filter = format!("user_id = {user}");
         if let Some(p) = &self.publish {
             p.publish_forget(&Tombstone {
@@ -735,9 +735,9 @@ impl SteamStage {
             if !doomed.is_empty() {
                 let listed = format!("prototype_id IN ({})", id_list(&doomed));
                 out.prototypes_withdrawn =
-                    crate::forget::delete_counted(&self.prototypes, &listed).await?;
+                    crate::sink::admin::delete_counted(&self.prototypes, &listed).await?;
             }
-            out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
+            out.memories = crate::sink::admin::delete_counted(&self.memories, &filter).await?;
             out.note = Some(
                 "steam.communities = \"topic\": the user's memories and the prototypes they were members of are gone; the links go and the prototypes are rebuilt without the user when `steamrf communities` reads the tombstone published to the changes topic (it logs its own receipt)".into(),
             );
@@ -796,9 +796,9 @@ impl SteamStage {
             let list = id_list(&ids);
             links.push_str(&format!(" OR from_id IN ({list}) OR to_id IN ({list})"));
         }
-        out.links = crate::forget::delete_counted(&self.links, &links).await?;
+        out.links = crate::sink::admin::delete_counted(&self.links, &links).await?;
         if !self.writer {
-            out.memories = crate::forget::delete_counted(&self.memories, &filter).await?;
+            out.memories = crate::sink::admin::delete_counted(&self.memories, &filter).await?;
         }
         tracing::debug!(
             user_id,
@@ -1444,6 +1444,44 @@ fn prototypes_batch(link: &LinkOutcome) -> Result<RecordBatch> {
             Arc::new(users.finish()),
         ],
     )?)
+}
+
+/// The chat client for memory and prototype contents (`None`: no URL).
+///
+/// # Errors
+/// [`Error::Config`] for unusable options.
+pub fn llm_client(config: &crate::config::Config) -> Result<Option<Arc<ChatClient>>> {
+    config
+        .steam
+        .llm
+        .options()
+        .map(|opts| {
+            ChatClient::new(opts)
+                .map(Arc::new)
+                .map_err(|e| Error::Config {
+                    problems: vec![format!("steam.llm: {e}")],
+                })
+        })
+        .transpose()
+}
+
+/// The relation-extraction kernel (`steam.kernel`), exported as a metric.
+///
+/// # Errors
+/// [`Error::Config`] when the chosen backend cannot run.
+pub fn kernel(
+    config: &crate::config::Config,
+    metrics: &Metrics,
+) -> Result<Arc<dyn SimilarityKernel>> {
+    let kernel = steamrf_kernels::cuda::select(config.steam.kernel, config.steam.precision)
+        .map_err(|e| Error::Config {
+            problems: vec![format!("steam.kernel: {e}")],
+        })?;
+    metrics
+        .kernel_backend
+        .with_label_values(&[kernel.backend().as_str()])
+        .set(1);
+    Ok(kernel)
 }
 
 #[cfg(test)]

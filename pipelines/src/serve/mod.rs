@@ -46,12 +46,12 @@ use steamrf_operators::passage;
 use steamrf_operators::rank;
 use steamrf_operators::rfmem::{self, RfMemParams};
 use steamrf_operators::steam::MemoryId;
-use steamrf_operators::steam::relations::tenant_of;
 use steamrf_operators::steam::retrieve::{self as steam_retrieve, MemoryView, RecommendParams};
 use steamrf_schemas::api::{self, FieldError};
 pub use steamrf_schemas::api::{
     MAX_CANDIDATES, MAX_QUERY_BYTES, RecommendRequest, RetrieveRequest,
 };
+use steamrf_schemas::tenancy::tenant_of;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -1637,68 +1637,6 @@ async fn refresh(
     Ok((snap, changes))
 }
 
-/// Serves `app` on `listener` until `shutdown` completes, then lets open
-/// requests finish (10 s at most). Unlike `axum::serve`, a client must send
-/// its request headers within `header_timeout` (hyper's header-read timer),
-/// so connections that trickle or never finish their headers are closed.
-/// At most `max_connections` are open at once: past that it accepts none
-/// until one closes (new ones wait in the kernel's listen backlog).
-///
-/// # Errors
-/// None today: accept errors (out of file descriptors) are logged and
-/// retried after a pause.
-pub async fn serve_connections(
-    listener: TcpListener,
-    app: Router,
-    header_timeout: Duration,
-    max_connections: usize,
-    shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let open = Arc::new(Semaphore::new(max_connections.max(1)));
-    tokio::pin!(shutdown);
-    loop {
-        let slot = tokio::select! {
-            slot = open.clone().acquire_owned() => slot.expect("never closed"),
-            () = &mut shutdown => break,
-        };
-        let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    tracing::warn!(error = %Chain(&e), "Accepting a connection failed; retrying in 100 ms.");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %Chain(&e), "Setting TCP_NODELAY failed.");
-        }
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
-        tokio::spawn(async move {
-            let _slot = slot;
-            if let Err(e) = conn.await {
-                tracing::trace!(error = %Chain(&e), "Connection ended with an error.");
-            }
-        });
-    }
-    drop(listener);
-    if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("Requests still open 10 s after shutdown began; closing them.");
-    }
-    Ok(())
-}
-
 /// Runs the service until `stop` is set.
 ///
 /// # Errors
@@ -1726,7 +1664,7 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
     // (health checks and token reloads work before the first refresh).
     tokio::spawn({
         let db = db.clone();
-        async move { crate::migrate::warn_if_pending(&db).await }
+        async move { crate::sink::admin::warn_if_pending(&db).await }
     });
     let weights = config.serve.ranker.weights();
     let tables = Arc::new(Tables::new(
@@ -1774,7 +1712,9 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
             }
         }
     };
-    let served = serve_connections(listener, app, header_timeout, max_connections, shutdown).await;
+    let served =
+        crate::http::serve_connections(listener, app, header_timeout, max_connections, shutdown)
+            .await;
     refresher.abort();
     reloader.abort();
     served.map_err(|source| Error::Io {

@@ -219,7 +219,7 @@ async fn start_with(
     }
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve_connections(
+    tokio::spawn(crate::http::serve_connections(
         listener,
         router(st.clone()),
         header_timeout,
