@@ -241,8 +241,8 @@ enum BenchCmd {
         #[arg(long, default_value_t = 100)]
         rows_per_user: usize,
         /// `serve.cache_bytes` (e.g. "512MiB").
-        #[arg(long, default_value = "512MiB")]
-        cache_bytes: String,
+        #[arg(long, default_value = "512MiB", value_parser = bytes)]
+        cache_bytes: usize,
         /// Users asked for once each, never before (cold).
         #[arg(long, default_value_t = 5000)]
         cold_users: usize,
@@ -292,8 +292,8 @@ enum BenchCmd {
         #[arg(long, default_value_t = 500)]
         requests: usize,
         /// `serve.cache_bytes` (e.g. "256MiB").
-        #[arg(long, default_value = "256MiB")]
-        cache_bytes: String,
+        #[arg(long, default_value = "256MiB", value_parser = bytes)]
+        cache_bytes: usize,
     },
     /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
     Similarity {
@@ -536,9 +536,6 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     storage_options,
                 },
         } => {
-            let cache_bytes = steamrf_pipelines::config::ByteSize::parse(&cache_bytes)
-                .map_err(|e| anyhow::anyhow!("--cache-bytes: {e}"))?
-                .0;
             let lines = bench::serve(bench::ServeBench {
                 users,
                 rows_per_user,
@@ -569,9 +566,6 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     cache_bytes,
                 },
         } => {
-            let cache_bytes = steamrf_pipelines::config::ByteSize::parse(&cache_bytes)
-                .map_err(|e| anyhow::anyhow!("--cache-bytes: {e}"))?
-                .0;
             let lines = bench::hammer(bench::HammerBench {
                 big_rows,
                 turn_bytes,
@@ -929,6 +923,11 @@ async fn wait_for_signals(stop: Arc<AtomicBool>) {
 }
 
 /// `KEY=VALUE`.
+/// A size in bytes as the configuration writes it ("512MiB").
+fn bytes(s: &str) -> Result<usize, String> {
+    steamrf_pipelines::config::ByteSize::parse(s).map(|b| b.0)
+}
+
 fn key_value(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_owned(), v.to_owned()))

@@ -1495,6 +1495,14 @@ fn proc_status_bytes(pid: &str, field: &str) -> u64 {
 }
 
 /// The `p` quantile of sorted `sorted` (nearest rank); NaN when empty.
+/// A temporary directory for a benchmark's tables, removed on drop.
+fn temp_dir() -> Result<tempfile::TempDir> {
+    tempfile::tempdir().map_err(|source| Error::Io {
+        context: "creating a temp dir".into(),
+        source,
+    })
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;

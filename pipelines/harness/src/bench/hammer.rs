@@ -152,10 +152,7 @@ pub async fn hammer(b: HammerBench) -> Result<Vec<String>> {
             "--big-rows, --users, --rows-per-user and --clients must be > 0",
         ));
     }
-    let dir = tempfile::tempdir().map_err(|source| Error::Io {
-        context: "creating a temp dir".into(),
-        source,
-    })?;
+    let dir = super::temp_dir()?;
     let lance = LanceDbConfig {
         uri: dir.path().join("lancedb").display().to_string(),
         ..steamrf_pipelines::config::Config::load(None)?.lancedb

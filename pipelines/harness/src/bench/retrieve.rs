@@ -411,10 +411,7 @@ async fn lancedb_topk(
     k: usize,
     index_rows: usize,
 ) -> Result<(f64, f64, String)> {
-    let dir = tempfile::tempdir().map_err(|e| Error::Io {
-        context: "creating a temp dir".into(),
-        source: e,
-    })?;
+    let dir = super::temp_dir()?;
     let db = lancedb::connect(dir.path().to_str().unwrap_or("."))
         .execute()
         .await

@@ -220,10 +220,7 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
             "--hot-users + --cold-users must not exceed --users",
         ));
     }
-    let dir = tempfile::tempdir().map_err(|source| Error::Io {
-        context: "creating a temp dir".into(),
-        source,
-    })?;
+    let dir = super::temp_dir()?;
     let uri = match &b.uri {
         Some(u) => u.clone(),
         None => dir.path().join("lancedb").display().to_string(),

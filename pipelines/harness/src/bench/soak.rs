@@ -258,10 +258,7 @@ pub async fn soak(b: SoakBench) -> Result<Vec<String>> {
     if b.rate == 0 || b.users == 0 || b.rows_per_user == 0 {
         return Err(internal("--rate, --users and --rows-per-user must be > 0"));
     }
-    let dir = tempfile::tempdir().map_err(|source| Error::Io {
-        context: "creating a temp dir".into(),
-        source,
-    })?;
+    let dir = super::temp_dir()?;
     let uri = dir.path().join("lancedb").display().to_string();
     let lance = LanceDbConfig {
         uri: uri.clone(),
