@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use steamrf_schemas::TableName;
 
-use super::soak::{Child, metric, start_service, status_mib, topic_of, turns_shaped, wait_ready};
+use super::soak::{Child, metric, ready_client, start_service, status_mib, topic_of, turns_shaped};
 use super::{Synth, internal, percentile};
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
@@ -168,12 +168,7 @@ pub async fn hammer(b: HammerBench) -> Result<Vec<String>> {
         ),
     )?;
     let pid = child.0.id();
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .pool_idle_timeout(Duration::from_secs(8))
-        .build()
-        .map_err(internal)?;
-    wait_ready(&client, &base, dir.path()).await?;
+    let client = ready_client(&base, dir.path()).await?;
     let mut synth = Synth::new(TOPICS, steamrf_schemas::tables::EMBEDDING_DIM);
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
 

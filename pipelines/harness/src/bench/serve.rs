@@ -28,7 +28,7 @@ use steamrf_schemas::TableName;
 use steamrf_schemas::tables::EMBEDDING_DIM;
 
 use super::soak::{
-    Child, metric, rss_mib, start_service, status_mib, topic_of as topic, turns, wait_ready,
+    Child, metric, ready_client, rss_mib, start_service, status_mib, topic_of as topic, turns,
 };
 use super::{internal, percentile};
 use steamrf_pipelines::config::LanceDbConfig;
@@ -239,12 +239,7 @@ pub async fn serve(b: ServeBench) -> Result<Vec<String>> {
         &format!("cache_bytes = \"{}\"", b.cache_bytes),
     )?;
     let pid = child.0.id();
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .pool_idle_timeout(Duration::from_secs(8))
-        .build()
-        .map_err(internal)?;
-    wait_ready(&client, &base, dir.path()).await?;
+    let client = ready_client(&base, dir.path()).await?;
     let rss_ready = rss_mib(pid);
     println!("service ready, RSS {rss_ready:.0} MiB");
 

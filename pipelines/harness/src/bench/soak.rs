@@ -229,6 +229,19 @@ pub(super) fn start_service(
     Ok((Child(child), format!("http://127.0.0.1:{port}")))
 }
 
+/// A client of the service at `base`, once it is ready (see [`wait_ready`]).
+/// Idle connections are dropped after 8 s, before the service's header
+/// timeout (10 s) would close them under a request.
+pub(super) async fn ready_client(base: &str, dir: &Path) -> Result<reqwest::Client> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .pool_idle_timeout(Duration::from_secs(8))
+        .build()
+        .map_err(internal)?;
+    wait_ready(&client, base, dir).await?;
+    Ok(client)
+}
+
 /// Waits (5 minutes at most) until the service at `base` is ready; its log
 /// is in `dir`/serve.log.
 pub(super) async fn wait_ready(client: &reqwest::Client, base: &str, dir: &Path) -> Result<()> {
