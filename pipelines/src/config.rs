@@ -811,7 +811,7 @@ fn layered(
 
 /// Checks the typed tree section by section, so one bad section does not hide
 /// problems in another.
-fn typed(table: Table) -> Result<Config, Vec<String>> {
+fn typed(table: &Table) -> Result<Config, Vec<String>> {
     let mut problems = Vec::new();
     for k in table.keys() {
         if ![
@@ -841,13 +841,13 @@ fn typed(table: Table) -> Result<Config, Vec<String>> {
             }
         }
     }
-    let kafka = section::<KafkaConfig>(&table, "kafka", &mut problems);
-    let batch = section::<BatchConfig>(&table, "batch", &mut problems);
-    let lancedb = section::<LanceDbConfig>(&table, "lancedb", &mut problems);
-    let embed = section::<EmbedConfig>(&table, "embed", &mut problems);
-    let steam = section::<SteamConfig>(&table, "steam", &mut problems);
-    let tenancy = section::<TenancyConfig>(&table, "tenancy", &mut problems);
-    let serve = section::<ServeConfig>(&table, "serve", &mut problems);
+    let kafka = section::<KafkaConfig>(table, "kafka", &mut problems);
+    let batch = section::<BatchConfig>(table, "batch", &mut problems);
+    let lancedb = section::<LanceDbConfig>(table, "lancedb", &mut problems);
+    let embed = section::<EmbedConfig>(table, "embed", &mut problems);
+    let steam = section::<SteamConfig>(table, "steam", &mut problems);
+    let tenancy = section::<TenancyConfig>(table, "tenancy", &mut problems);
+    let serve = section::<ServeConfig>(table, "serve", &mut problems);
     match (kafka, batch, lancedb, embed, steam, tenancy, serve) {
         (
             Some(kafka),
@@ -888,12 +888,19 @@ impl Config {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self> {
-        let config = layered(file, env)
-            .and_then(typed)
-            .map_err(|problems| Error::Config { problems })?;
+        Self::load_layered(file, env).map(|(config, _)| config)
+    }
+
+    /// The valid configuration and the tree it was typed from.
+    fn load_layered(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(Self, Table)> {
+        let table = layered(file, env).map_err(|problems| Error::Config { problems })?;
+        let config = typed(&table).map_err(|problems| Error::Config { problems })?;
         let problems = config.problems();
         if problems.is_empty() {
-            Ok(config)
+            Ok((config, table))
         } else {
             Err(Error::Config { problems })
         }
@@ -918,9 +925,7 @@ impl Config {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<String> {
-        let env: Vec<(String, String)> = env.into_iter().collect();
-        Self::load_with_env(file, env.clone())?;
-        let mut table = layered(file, env).map_err(|problems| Error::Config { problems })?;
+        let (_, mut table) = Self::load_layered(file, env)?;
         redact_table(&mut table);
         toml::to_string_pretty(&table).map_err(|e| Error::Internal {
             message: format!("printing the configuration as TOML: {e}"),

@@ -62,9 +62,7 @@ fn a_prototype_never_quotes_a_member_to_another() {
             r#""type":"dialogue_turn","user_id":"{u}","session_id":"s-{u}","role":"user","text":"{text}""#
         ));
     }
-    let file = dir.path().join("events.jsonl");
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
-    produce_all(&topic, 1, &file);
+    produce_lines(dir.path(), &topic, 1, &lines);
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,
@@ -417,9 +415,7 @@ fn links_between_tenants_are_refused_at_start_and_repaired_by_migrate() {
             ));
         }
     }
-    let file = dir.path().join("events.jsonl");
-    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
-    produce_all(&topic, 1, &file);
+    produce_lines(dir.path(), &topic, 1, &lines);
     let cfg = PipelineConfig {
         dir: dir.path(),
         topic: &topic,

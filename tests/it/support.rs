@@ -96,6 +96,13 @@ pub fn produce_to(
     cmd.arg(file).stdout(Stdio::null()).spawn().unwrap()
 }
 
+/// Writes `lines` to `dir`/events.jsonl and produces them all to `topic`.
+pub fn produce_lines(dir: &Path, topic: &str, partitions: u32, lines: &[String]) {
+    let file = dir.join("events.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    produce_all(topic, partitions, &file);
+}
+
 pub fn produce_all(topic: &str, partitions: u32, file: &Path) {
     let status = produce(topic, partitions, file, None).wait().unwrap();
     assert!(status.success(), "produce.py failed");

@@ -121,36 +121,30 @@ impl Entry {
             .map(|w| (w.start as usize, w.end as usize))
             .filter(|&(a, b)| a < b && b <= n)
             .unwrap_or((0, n));
-        let (lo, hi) = if n == 0 {
-            (0, self.content.len())
-        } else {
-            (start_of(from), self.turn_ends[to - 1] as usize)
-        };
-        let Some(text) = self.content.get(lo..hi) else {
-            return self.answer_text(None, max);
-        };
+        // A session hands over a slice of its content; any other row (or
+        // offsets its content does not hold) the whole content.
+        let slice = (n > 0)
+            .then(|| (start_of(from), self.turn_ends[to - 1] as usize))
+            .and_then(|(lo, hi)| Some((lo, self.content.get(lo..hi)?)));
+        let text = slice.map_or(self.content.as_str(), |(_, t)| t);
         let mut at = text.len().min(max);
         while !text.is_char_boundary(at) {
             at -= 1;
         }
-        let truncated = at < text.len();
-        // The turns whose text is handed over, whole or in part.
-        let turns = if n == 0 {
-            0..self.source_event_ids.len()
-        } else {
-            from..(from..to)
-                .take_while(|&i| start_of(i) < lo + at)
-                .last()
-                .map_or(from, |i| i + 1)
+        // The events behind the text handed over: the turns it reaches into.
+        let ids = match slice {
+            Some((lo, _)) => {
+                let reached = (from..to).take_while(|&i| start_of(i) < lo + at).count();
+                self.source_event_ids
+                    .get(from..from + reached)
+                    .unwrap_or_default()
+            }
+            None => &self.source_event_ids,
         };
         AnswerText {
             content: text[..at].to_owned(),
-            truncated,
-            source_event_ids: self
-                .source_event_ids
-                .get(turns)
-                .unwrap_or_default()
-                .to_vec(),
+            truncated: at < text.len(),
+            source_event_ids: ids.to_vec(),
         }
     }
 
