@@ -222,6 +222,19 @@ pub struct SteamConfig {
     /// Its `retention.ms` when steamrf creates it.
     #[serde(with = "humantime_serde_compat")]
     pub changes_retention: Duration,
+    /// The secret memory ids are hashed under (empty: a public key).
+    pub id_key: Secret,
+}
+
+/// A secret from the configuration: `Debug` never shows it.
+#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(redact(&self.0))
+    }
 }
 
 impl SteamConfig {
@@ -335,6 +348,7 @@ impl SteamConfig {
                 tau: self.tau,
                 consolidate: self.consolidate,
                 max_memories_per_user: self.max_memories_per_user,
+                id_key: steamrf_operators::steam::IdKey::from_secret(&self.id_key.0),
             },
             k1: self.k1,
             link_tau: self.link_tau,
@@ -945,6 +959,11 @@ impl Config {
                 "serve.tokens_file is empty: the API at {} answers anyone who can reach it (set tokens for any address but loopback)",
                 self.serve.listen
             ));
+        }
+        if self.steam.enabled && self.steam.id_key.0.is_empty() {
+            w.push(
+                "steam.id_key is empty: memory ids are hashed under a public key, so anyone who knows a user id and an event id can compute the memory's id (set one secret per store, the same on every instance, before the first memory is written: STEAMRF__STEAM__ID_KEY)".to_owned(),
+            );
         }
         w
     }

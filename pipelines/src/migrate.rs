@@ -18,6 +18,23 @@
 //! columns by name, and finds the turn vectors in `turn_vectors` after
 //! step 1).
 //!
+//! Then **keyed 128-bit memory ids**. Until 2026-12, a memory's id was
+//! FNV-1a of its user and forming event (63 bits, `Int64` columns): anyone
+//! could compute and steer one. Now it is a keyed BLAKE3 hash of 128 bits
+//! under `steam.id_key` (`steamrf_operators::steam::ids`), written as 32
+//! hex digits in `Utf8` columns. The migration maps each stored id to the
+//! id this build gives the same memory: the profile memory's, or that of
+//! its first interaction (the event that formed it) when the old hash of
+//! that event is the stored id; any other (none is expected) gets an id
+//! hashed from the user and the old id. It rewrites `memory_links` and
+//! `prototypes` through that map (links or members it cannot map are
+//! dropped; the STEAM stage rebuilds communities and prototypes on start),
+//! then `memories` last, each table in one commit, so a run cut short is
+//! run again. It holds the three tables in memory while it runs (a memory
+//! is about 1.7 KB). Stop every ingest instance and let the community
+//! writer catch up on the changes topic first: records written before the
+//! migration carry old ids and are skipped as malformed.
+//!
 //! And one repair: **links between tenants**. Links, communities and
 //! prototypes never cross tenants, but tables written under another
 //! `tenancy.separator` (or before one was set) may hold links that do under
@@ -31,9 +48,13 @@ use futures::TryStreamExt;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
 use steamrf_schemas::TableName;
 
+use steamrf_operators::steam::IdKey;
+
 use crate::config::LanceDbConfig;
 use crate::error::{Error, Result};
 use crate::sink::admin::pending;
+
+mod keyed_ids;
 
 /// Rows per `turn_vectors` write while copying.
 const COPY_ROWS: usize = 8192;
@@ -51,18 +72,27 @@ pub struct Report {
     pub links_across_tenants: u64,
     /// Prototypes built across tenants deleted from `prototypes`.
     pub prototypes_across_tenants: u64,
+    /// Memory ids rewritten as keyed 128-bit ids.
+    pub memory_ids_rewritten: u64,
+    /// Of those, ids that could not be traced to their forming event.
+    pub memory_ids_untraced: u64,
+    /// Links and prototypes dropped because an end or the prototype's own
+    /// id named no stored memory.
+    pub dangling_dropped: u64,
 }
 
-/// Runs every pending migration on the database `cfg` names, and the
-/// repair of links between tenants under `separator` (module docs).
-/// Idempotent: on an up-to-date database it changes nothing.
+/// Runs every pending migration on the database `cfg` names, with memory
+/// ids keyed under `key`, and the repair of links between tenants under
+/// `separator` (module docs). Idempotent: on an up-to-date database it
+/// changes nothing.
 ///
 /// # Errors
 /// LanceDB failures; the migration can then simply be run again.
-pub async fn migrate(cfg: &LanceDbConfig, separator: Option<char>) -> Result<Report> {
+pub async fn migrate(cfg: &LanceDbConfig, separator: Option<char>, key: &IdKey) -> Result<Report> {
     let db = crate::sink::connect(cfg).await?;
     let mut report = Report::default();
     move_turn_vectors(&db, &mut report).await?;
+    keyed_ids::migrate(&db, key, &mut report).await?;
     split_tenants(&db, separator, &mut report).await?;
     Ok(report)
 }
@@ -75,9 +105,11 @@ async fn split_tenants(
     report: &mut Report,
 ) -> Result<()> {
     use arrow_array::cast::AsArray;
-    use arrow_array::types::Int64Type;
+    use steamrf_operators::steam::MemoryId;
     use steamrf_schemas::memory::MemoryTable;
     use steamrf_schemas::tenancy::tenant_of;
+
+    use crate::sink::ids::{read_id_lists, read_ids, sql_list};
 
     let open = |t: MemoryTable| async move {
         match db.open_table(t.as_str()).execute().await {
@@ -103,11 +135,11 @@ async fn split_tenants(
                 .map_err(Error::lance(what()))
         }
     };
-    let mut crossing: Vec<(i64, i64)> = Vec::new();
+    let mut crossing: Vec<(MemoryId, MemoryId)> = Vec::new();
     for b in read(&links, &["from_id", "to_id", "from_user", "to_user"]).await? {
         let (from, to) = (
-            b.column(0).as_primitive::<Int64Type>(),
-            b.column(1).as_primitive::<Int64Type>(),
+            read_ids(b.column(0), "memory_links.from_id")?,
+            read_ids(b.column(1), "memory_links.to_id")?,
         );
         let (fu, tu) = (
             b.column(2).as_string::<i32>(),
@@ -115,7 +147,7 @@ async fn split_tenants(
         );
         for r in 0..b.num_rows() {
             if tenant_of(fu.value(r), separator) != tenant_of(tu.value(r), separator) {
-                crossing.push((from.value(r), to.value(r)));
+                crossing.push((from[r], to[r]));
             }
         }
     }
@@ -125,30 +157,26 @@ async fn split_tenants(
     for chunk in crossing.chunks(500) {
         let filter = chunk
             .iter()
-            .map(|(f, t)| format!("(from_id = {f} AND to_id = {t})"))
+            .map(|(f, t)| format!("(from_id = '{f}' AND to_id = '{t}')"))
             .collect::<Vec<_>>()
             .join(" OR ");
         report.links_across_tenants += crate::sink::admin::delete_counted(&links, &filter).await?;
     }
-    let ends: std::collections::HashSet<i64> = crossing.iter().flat_map(|&(f, t)| [f, t]).collect();
+    let ends: std::collections::HashSet<MemoryId> =
+        crossing.iter().flat_map(|&(f, t)| [f, t]).collect();
     if let Some(prototypes) = open(MemoryTable::Prototypes).await? {
         let mut doomed = Vec::new();
         for b in read(&prototypes, &["prototype_id", "member_ids"]).await? {
-            let id = b.column(0).as_primitive::<Int64Type>();
-            let members = b.column(1).as_list::<i32>();
-            for r in 0..b.num_rows() {
-                let m = members.value(r);
-                if m.as_primitive::<Int64Type>()
-                    .values()
-                    .iter()
-                    .any(|x| ends.contains(x))
-                {
-                    doomed.push(id.value(r).to_string());
+            let ids = read_ids(b.column(0), "prototypes.prototype_id")?;
+            let members = read_id_lists(b.column(1), "prototypes.member_ids")?;
+            for (id, members) in ids.into_iter().zip(members) {
+                if members.iter().any(|m| ends.contains(m)) {
+                    doomed.push(id);
                 }
             }
         }
         if !doomed.is_empty() {
-            let filter = format!("prototype_id IN ({})", doomed.join(","));
+            let filter = format!("prototype_id IN ({})", sql_list(&doomed));
             report.prototypes_across_tenants =
                 crate::sink::admin::delete_counted(&prototypes, &filter).await?;
         }
@@ -319,7 +347,7 @@ mod tests {
             .to_string();
         assert!(err.contains("steamrf migrate"), "{err}");
 
-        let r = migrate(&cfg, None).await.unwrap();
+        let r = migrate(&cfg, None, &IdKey::default()).await.unwrap();
         assert_eq!(r.turn_vectors_found, 2);
         assert_eq!(r.turn_vectors_inserted, 2);
         assert_eq!(r.dropped, ["interactions.embedding"]);
@@ -343,11 +371,16 @@ mod tests {
         assert_eq!(stored[&key("u", "t'1")], vectors[..384]);
         assert_eq!(stored[&key("v", "t2")], vectors[384..]);
         // A second run finds nothing to do.
-        assert_eq!(migrate(&cfg, None).await.unwrap(), Report::default());
+        assert_eq!(
+            migrate(&cfg, None, &IdKey::default()).await.unwrap(),
+            Report::default()
+        );
         // And an empty database is no error.
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(
-            migrate(&config(empty.path()), None).await.unwrap(),
+            migrate(&config(empty.path()), None, &IdKey::default())
+                .await
+                .unwrap(),
             Report::default()
         );
     }

@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 
 pub mod admin;
 mod fresh;
+pub mod ids;
 
 /// Opens a LanceDB connection with the configured storage options.
 ///

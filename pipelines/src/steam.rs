@@ -41,6 +41,7 @@ use steamrf_schemas::tenancy::tenant_of;
 
 use crate::error::{Chain, Error, Result};
 use crate::metrics::Metrics;
+use crate::sink::ids::{id_lists_array, ids_array, read_id_lists, read_ids, sql_list};
 use crate::sink::{ensure_primary_key, open_or_create_named};
 
 /// Attempts at writing one batch's STEAM tables before the pipeline stops.
@@ -376,12 +377,12 @@ impl SteamStage {
     async fn reconcile_prototypes(&self) -> Result<usize> {
         let mut stored: HashMap<MemoryId, String> = HashMap::new();
         for b in scan(&self.prototypes, &["prototype_id", "content"]).await? {
-            let (id, content) = (
-                b.column(0).as_primitive::<Int64Type>(),
+            let (ids, content) = (
+                read_ids(b.column(0), "prototypes.prototype_id")?,
                 b.column(1).as_string::<i32>(),
             );
-            for r in 0..b.num_rows() {
-                stored.insert(id.value(r) as MemoryId, content.value(r).to_owned());
+            for (r, id) in ids.into_iter().enumerate() {
+                stored.insert(id, content.value(r).to_owned());
             }
         }
         let stale: Vec<_> = self
@@ -733,7 +734,7 @@ impl SteamStage {
                 .map(|(id, _)| id)
                 .collect();
             if !doomed.is_empty() {
-                let listed = format!("prototype_id IN ({})", id_list(&doomed));
+                let listed = format!("prototype_id IN ({})", sql_list(&doomed));
                 out.prototypes_withdrawn =
                     crate::sink::admin::delete_counted(&self.prototypes, &listed).await?;
             }
@@ -793,7 +794,7 @@ impl SteamStage {
         // the memories any more, and links are written with both users.
         let mut links = format!("from_user = {user} OR to_user = {user}");
         if !ids.is_empty() {
-            let list = id_list(&ids);
+            let list = sql_list(&ids);
             links.push_str(&format!(" OR from_id IN ({list}) OR to_id IN ({list})"));
         }
         out.links = crate::sink::admin::delete_counted(&self.links, &links).await?;
@@ -817,19 +818,9 @@ impl SteamStage {
             .map_err(Error::lance("refreshing prototypes"))?;
         let mut out = Vec::new();
         for b in scan(&self.prototypes, &["prototype_id", "member_ids"]).await? {
-            let id = b.column(0).as_primitive::<Int64Type>();
-            let members = b.column(1).as_list::<i32>();
-            for r in 0..b.num_rows() {
-                let m = members.value(r);
-                out.push((
-                    id.value(r) as MemoryId,
-                    m.as_primitive::<Int64Type>()
-                        .values()
-                        .iter()
-                        .map(|&v| v as MemoryId)
-                        .collect(),
-                ));
-            }
+            let ids = read_ids(b.column(0), "prototypes.prototype_id")?;
+            let members = read_id_lists(b.column(1), "prototypes.member_ids")?;
+            out.extend(ids.into_iter().zip(members));
         }
         Ok(out)
     }
@@ -1123,7 +1114,7 @@ pub fn memories_from(b: &RecordBatch) -> Result<Vec<Memory>> {
             message: format!("memories batch without column {name}"),
         })
     };
-    let id = col("memory_id")?.as_primitive::<Int64Type>();
+    let id = read_ids(col("memory_id")?, "memories.memory_id")?;
     let user = col("user_id")?.as_string::<i32>();
     let content = col("content")?.as_string::<i32>();
     let emb = col("embedding")?;
@@ -1135,12 +1126,12 @@ pub fn memories_from(b: &RecordBatch) -> Result<Vec<Memory>> {
     let facets = col("facets")?.as_string::<i32>();
     let recent = col("recent")?;
     let mut out = Vec::with_capacity(b.num_rows());
-    for r in 0..b.num_rows() {
+    for (r, id) in id.into_iter().enumerate() {
         let Some(embedding) = vector(emb, r).map(<[f32]>::to_vec) else {
             continue;
         };
         out.push(Memory {
-            id: id.value(r) as u64,
+            id,
             user_id: user.value(r).to_owned(),
             content: content.value(r).to_owned(),
             embedding,
@@ -1157,22 +1148,43 @@ pub fn memories_from(b: &RecordBatch) -> Result<Vec<Memory>> {
     Ok(out)
 }
 
+/// Memories whose ids [`load_state`] checks against the configured key.
+const KEY_SAMPLE: usize = 64;
+
 /// Rebuilds a [`SteamState`] from the `memories` and `memory_links` tables
 /// into `state` (empty, holding the item catalogue the deterministic
 /// prototypes are built from; communities and prototypes recomputed). The
 /// pipeline restores its state with it on start and after a rebalance.
 ///
 /// # Errors
-/// LanceDB failures.
+/// LanceDB failures; memories written under another `steam.id_key`; links
+/// between tenants.
 pub async fn load_state(
     memories: &Table,
     links: &Table,
     mut state: SteamState,
 ) -> Result<SteamState> {
+    let key = state.params().evolve.id_key;
+    let (mut checked, mut explained) = (0usize, 0usize);
     for b in scan(memories, MEMORY_COLUMNS).await? {
         for m in memories_from(&b)? {
+            if checked < KEY_SAMPLE {
+                checked += 1;
+                let first = m.interactions.first().map(String::as_str);
+                explained += usize::from(key.explains(m.id, &m.user_id, first));
+            }
             state.restore_memory(m).map_err(kernel_err)?;
         }
+    }
+    if checked > 0 && explained == 0 {
+        // Another key would give the same user and event new ids: every
+        // profile memory twice, the old one treated as an interest (linked
+        // across users, its attributes in prototypes).
+        return Err(Error::Config {
+            problems: vec![format!(
+                "memories were written under another steam.id_key ({checked} of them checked, none has the id this key gives its user and forming event); set the key the store was written with (STEAMRF__STEAM__ID_KEY), or start a new store"
+            )],
+        });
     }
     let mut by_from: BTreeMap<MemoryId, Vec<Link>> = BTreeMap::new();
     let separator = state.params().tenant_separator;
@@ -1183,8 +1195,8 @@ pub async fn load_state(
     )
     .await?
     {
-        let from = b.column(0).as_primitive::<Int64Type>();
-        let to = b.column(1).as_primitive::<Int64Type>();
+        let from = read_ids(b.column(0), "memory_links.from_id")?;
+        let to = read_ids(b.column(1), "memory_links.to_id")?;
         let score = b.column(2).as_primitive::<Float32Type>();
         let (from_user, to_user) = (
             b.column(3).as_string::<i32>(),
@@ -1194,9 +1206,9 @@ pub async fn load_state(
             if tenant_of(from_user.value(r), separator) != tenant_of(to_user.value(r), separator) {
                 crossing += 1;
             }
-            by_from.entry(from.value(r) as u64).or_default().push(Link {
-                from: from.value(r) as u64,
-                to: to.value(r) as u64,
+            by_from.entry(from[r]).or_default().push(Link {
+                from: from[r],
+                to: to[r],
                 score: score.value(r),
             });
         }
@@ -1228,21 +1240,13 @@ fn crossing_tenants(n: u64, separator: Option<char>) -> String {
     )
 }
 
-/// `ids` as a SQL list body: `1,2,3`.
-fn id_list(ids: &[MemoryId]) -> String {
-    ids.iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 /// Deletes the rows whose `column` is one of `ids` (nothing when empty).
 async fn delete_ids(table: &Table, column: &str, ids: &[MemoryId]) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
     table
-        .delete(&format!("{column} IN ({})", id_list(ids)))
+        .delete(&format!("{column} IN ({})", sql_list(ids)))
         .await
         .map_err(Error::lance(format!("deleting from {}", table.name())))?;
     Ok(())
@@ -1264,13 +1268,12 @@ async fn upsert_owned(table: &Table, batch: RecordBatch) -> Result<()> {
         })
     };
     let (ids, users) = (
-        col("memory_id")?.as_primitive::<Int64Type>(),
+        read_ids(col("memory_id")?, "a memories batch")?,
         col("user_id")?.as_string::<i32>(),
     );
-    let list: Vec<MemoryId> = ids.values().iter().map(|&v| v as MemoryId).collect();
     let stored: Vec<RecordBatch> = table
         .query()
-        .only_if(format!("memory_id IN ({})", id_list(&list)))
+        .only_if(format!("memory_id IN ({})", sql_list(&ids)))
         .select(Select::columns(&["memory_id", "user_id"]))
         .execute()
         .await
@@ -1278,18 +1281,18 @@ async fn upsert_owned(table: &Table, batch: RecordBatch) -> Result<()> {
         .try_collect()
         .await
         .map_err(Error::lance("reading memory owners"))?;
-    let mut owner: HashMap<i64, String> = HashMap::new();
+    let mut owner: HashMap<MemoryId, String> = HashMap::new();
     for b in &stored {
         let (i, u) = (
-            b.column(0).as_primitive::<Int64Type>(),
+            read_ids(b.column(0), "memories.memory_id")?,
             b.column(1).as_string::<i32>(),
         );
-        for r in 0..b.num_rows() {
-            owner.insert(i.value(r), u.value(r).to_owned());
+        for (r, id) in i.into_iter().enumerate() {
+            owner.insert(id, u.value(r).to_owned());
         }
     }
     let keep: Vec<u32> = (0..batch.num_rows())
-        .filter(|&r| owner.get(&ids.value(r)).is_none_or(|o| o == users.value(r)))
+        .filter(|&r| owner.get(&ids[r]).is_none_or(|o| o == users.value(r)))
         .map(|r| r as u32)
         .collect();
     if keep.len() < batch.num_rows() {
@@ -1331,15 +1334,14 @@ fn embedding_builder(n: usize) -> FixedSizeListBuilder<Float32Builder> {
     })
 }
 
-fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
+pub(crate) fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
     let n = mems.len();
-    let mut id = Int64Builder::with_capacity(n);
     let mut user = StringBuilder::new();
     let mut content = StringBuilder::new();
     let mut emb = embedding_builder(n);
     let mut inter = ListBuilder::new(StringBuilder::new());
     let mut items = ListBuilder::new(StringBuilder::new());
-    let mut community = Int64Builder::with_capacity(n);
+    let mut community = StringBuilder::new();
     let mut created = TimestampMillisecondBuilder::with_capacity(n);
     let mut updated = TimestampMillisecondBuilder::with_capacity(n);
     let mut version = Int64Builder::with_capacity(n);
@@ -1347,7 +1349,6 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
     let mut facets = StringBuilder::new();
     let mut recent = ListBuilder::new(StringBuilder::new());
     for m in mems {
-        id.append_value(m.id as i64);
         user.append_value(&m.user_id);
         content.append_value(&m.content);
         emb.values().append_slice(&m.embedding);
@@ -1360,7 +1361,7 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
             items.values().append_value(i);
         }
         items.append(true);
-        community.append_option(m.community.map(|c| c as i64));
+        community.append_option(m.community.map(|c| c.to_string()));
         created.append_value(m.created_ms);
         updated.append_value(m.updated_ms);
         version.append_value(m.version as i64);
@@ -1374,7 +1375,7 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
     Ok(RecordBatch::try_new(
         MemoryTable::Memories.schema(),
         vec![
-            Arc::new(id.finish()),
+            Arc::new(ids_array(mems.iter().map(|m| m.id))),
             Arc::new(user.finish()),
             Arc::new(content.finish()),
             Arc::new(emb.finish()),
@@ -1392,14 +1393,10 @@ fn memories_batch(mems: &[&Memory]) -> Result<RecordBatch> {
 }
 
 fn links_batch(state: &SteamState, links: &[Link]) -> Result<RecordBatch> {
-    let mut from = Int64Builder::new();
-    let mut to = Int64Builder::new();
     let mut from_user = StringBuilder::new();
     let mut to_user = StringBuilder::new();
     let mut score = Float32Builder::new();
     for l in links {
-        from.append_value(l.from as i64);
-        to.append_value(l.to as i64);
         from_user.append_value(state.memory(l.from).map_or("", |m| m.user_id.as_str()));
         to_user.append_value(state.memory(l.to).map_or("", |m| m.user_id.as_str()));
         score.append_value(l.score);
@@ -1407,8 +1404,8 @@ fn links_batch(state: &SteamState, links: &[Link]) -> Result<RecordBatch> {
     Ok(RecordBatch::try_new(
         MemoryTable::MemoryLinks.schema(),
         vec![
-            Arc::new(from.finish()),
-            Arc::new(to.finish()),
+            Arc::new(ids_array(links.iter().map(|l| l.from))),
+            Arc::new(ids_array(links.iter().map(|l| l.to))),
             Arc::new(from_user.finish()),
             Arc::new(to_user.finish()),
             Arc::new(score.finish()),
@@ -1418,29 +1415,24 @@ fn links_batch(state: &SteamState, links: &[Link]) -> Result<RecordBatch> {
 
 fn prototypes_batch(link: &LinkOutcome) -> Result<RecordBatch> {
     let n = link.prototypes.len();
-    let mut id = Int64Builder::with_capacity(n);
     let mut content = StringBuilder::new();
     let mut emb = embedding_builder(n);
-    let mut members = ListBuilder::new(Int64Builder::new());
     let mut users = Int32Builder::with_capacity(n);
     for p in &link.prototypes {
-        id.append_value(p.id as i64);
         content.append_value(&p.content);
         emb.values().append_slice(&p.embedding);
         emb.append(true);
-        for m in &p.members {
-            members.values().append_value(*m as i64);
-        }
-        members.append(true);
         users.append_value(p.users as i32);
     }
     Ok(RecordBatch::try_new(
         MemoryTable::Prototypes.schema(),
         vec![
-            Arc::new(id.finish()),
+            Arc::new(ids_array(link.prototypes.iter().map(|p| p.id))),
             Arc::new(content.finish()),
             Arc::new(emb.finish()),
-            Arc::new(members.finish()),
+            Arc::new(id_lists_array(
+                link.prototypes.iter().map(|p| p.members.as_slice()),
+            )),
             Arc::new(users.finish()),
         ],
     )?)
@@ -1492,7 +1484,7 @@ mod tests {
 
     fn memory(id: u64, user: &str) -> Memory {
         Memory {
-            id,
+            id: MemoryId(u128::from(id) << 64 | u128::from(id)),
             user_id: user.into(),
             content: format!("Interested in Jazz ({id})"),
             embedding: (0..EMBEDDING_DIM)
@@ -1540,7 +1532,7 @@ mod tests {
         let t = Tombstone {
             forget_user: "acme:o'brien".into(),
             event_id: Some("e-1".into()),
-            memory_ids: vec![1, u64::MAX],
+            memory_ids: vec![MemoryId(1), MemoryId(u128::MAX)],
         };
         let bytes = serde_json::to_vec(&t).unwrap();
         match decode_change(&bytes).unwrap() {

@@ -4,8 +4,10 @@
 //! - `memory_links`: each memory's links to other users' memories;
 //! - `prototypes`: one row per published community prototype.
 //!
-//! Ids are the operators' 63-bit memory ids, stored as Int64 so SQL and
-//! Arrow consumers without unsigned types read them directly.
+//! Ids are the operators' 128-bit keyed memory ids (docs/security.md),
+//! stored as `Utf8` of 32 lowercase hex digits so SQL and Arrow consumers
+//! read, filter and join them directly. A community's and a prototype's id
+//! is one of its members' ids.
 
 use std::sync::{Arc, LazyLock};
 
@@ -57,13 +59,13 @@ fn list_of(item: DataType) -> DataType {
 
 static MEMORIES: LazyLock<SchemaRef> = LazyLock::new(|| {
     Arc::new(Schema::new(vec![
-        Field::new("memory_id", DataType::Int64, false),
+        Field::new("memory_id", DataType::Utf8, false),
         Field::new("user_id", DataType::Utf8, false),
         Field::new("content", DataType::Utf8, false),
         embedding_field(),
         Field::new("interaction_ids", list_of(DataType::Utf8), false),
         Field::new("item_ids", list_of(DataType::Utf8), false),
-        Field::new("community_id", DataType::Int64, true),
+        Field::new("community_id", DataType::Utf8, true),
         Field::new("created_at", ts(), false),
         Field::new("updated_at", ts(), false),
         Field::new("version", DataType::Int64, false),
@@ -77,8 +79,8 @@ static MEMORIES: LazyLock<SchemaRef> = LazyLock::new(|| {
 
 static LINKS: LazyLock<SchemaRef> = LazyLock::new(|| {
     Arc::new(Schema::new(vec![
-        Field::new("from_id", DataType::Int64, false),
-        Field::new("to_id", DataType::Int64, false),
+        Field::new("from_id", DataType::Utf8, false),
+        Field::new("to_id", DataType::Utf8, false),
         Field::new("from_user", DataType::Utf8, false),
         Field::new("to_user", DataType::Utf8, false),
         Field::new("score", DataType::Float32, false),
@@ -87,10 +89,10 @@ static LINKS: LazyLock<SchemaRef> = LazyLock::new(|| {
 
 static PROTOTYPES: LazyLock<SchemaRef> = LazyLock::new(|| {
     Arc::new(Schema::new(vec![
-        Field::new("prototype_id", DataType::Int64, false),
+        Field::new("prototype_id", DataType::Utf8, false),
         Field::new("content", DataType::Utf8, false),
         embedding_field(),
-        Field::new("member_ids", list_of(DataType::Int64), false),
+        Field::new("member_ids", list_of(DataType::Utf8), false),
         Field::new("users", DataType::Int32, false),
     ]))
 });

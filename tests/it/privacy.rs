@@ -480,6 +480,104 @@ fn links_between_tenants_are_refused_at_start_and_repaired_by_migrate() {
     assert_eq!(report["links_across_tenants"], 0, "{report}");
 }
 
+/// Issue 44, item 8: memory ids can be neither steered nor predicted.
+/// Ann has a profile; a client then sends a click of hers whose
+/// `event_id` is "profile". Under 6e978f1 that click's memory took the
+/// profile memory's id (FNV-1a of user and event) and its row replaced the
+/// profile; now both are kept, each under its own keyed 128-bit id. The
+/// ids are those the deployment's `steam.id_key` gives, none is the one a
+/// client could compute with the public key, and a restart under another
+/// key is refused instead of doubling every profile.
+#[test]
+fn memory_ids_can_be_neither_steered_nor_predicted() {
+    use steamrf_operators::steam::IdKey;
+
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-memory-ids");
+    let ts = 1_764_000_000_000i64;
+    let lines = [
+        format!(
+            r#"{{"schema_version":1,"type":"item","event_id":"{topic}-i","timestamp":{ts},"item_id":"jazz0","title":"Kind of Blue","categories":["Jazz"]}}"#
+        ),
+        format!(
+            r#"{{"schema_version":1,"type":"profile","event_id":"p-ann","timestamp":{},"user_id":"ann","attributes":{{"age":31,"likes":"jazz piano"}}}}"#,
+            ts + 1000
+        ),
+        format!(
+            r#"{{"schema_version":1,"type":"click","event_id":"profile","timestamp":{},"user_id":"ann","item_id":"jazz0"}}"#,
+            ts + 2000
+        ),
+    ];
+    produce_lines(dir.path(), &topic, 1, &lines);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 1000,
+        linger_ms: 100,
+    };
+    let secret = "it-deployment-secret";
+    let config = cfg.write_with(&format!("[steam]\nenabled = true\nid_key = \"{secret}\"\n"));
+    Pipeline::run_to_idle(&config);
+    let uri = cfg.lancedb_uri();
+    let id_of = |filter: &str| {
+        let text = sql_text(
+            &uri,
+            &format!("SELECT memory_id FROM memories WHERE user_id = 'ann' AND {filter}"),
+        );
+        let ids: Vec<&str> = text
+            .split(|c: char| !c.is_ascii_hexdigit())
+            .filter(|w| w.len() == 32)
+            .collect();
+        assert_eq!(ids.len(), 1, "{filter}: {text}");
+        ids[0].to_owned()
+    };
+    let everything = || sql_text(&uri, "SELECT memory_id, content FROM memories");
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memories WHERE user_id = 'ann'"
+        ),
+        2,
+        "the click called \"profile\" and the profile are two memories:\n{}",
+        everything()
+    );
+    let key = IdKey::from_secret(secret);
+    assert_eq!(
+        id_of("content LIKE 'User profile:%jazz piano%'"),
+        key.profile("ann").to_string(),
+        "the profile memory kept its content and its id:\n{}",
+        everything()
+    );
+    assert_eq!(
+        id_of("content NOT LIKE 'User profile:%'"),
+        key.memory("ann", "profile").to_string()
+    );
+    let public = IdKey::default();
+    let predicted = format!(
+        "SELECT count(*) AS n FROM memories WHERE memory_id IN ('{}', '{}')",
+        public.profile("ann"),
+        public.memory("ann", "profile")
+    );
+    assert_eq!(sql_count(&uri, &predicted), 0, "{}", everything());
+
+    // Another key would give the same user and events other ids.
+    let other = dir.path().join("other-key.toml");
+    std::fs::write(
+        &other,
+        std::fs::read_to_string(&config)
+            .unwrap()
+            .replace(secret, "another-secret"),
+    )
+    .unwrap();
+    let mut refused = Pipeline::start(&other, Some("3s"));
+    let status = refused.wait(Duration::from_secs(120));
+    let log = refused.log_text();
+    assert!(!status.success(), "started under another id key:\n{log}");
+    assert!(log.contains("steam.id_key"), "{log}");
+}
+
 /// Issue 44, item 3: one user with a huge history (60,000 turns of 1 KB,
 /// sessions of 1,000 turns), asked for by 16 clients at once while a new
 /// turn of theirs lands every 500 ms (so each refresh evicts them), stalls

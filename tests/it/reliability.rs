@@ -430,7 +430,7 @@ fn forgetting_in_the_scaled_out_write_path_reaches_the_community_writer() {
     let user0_ids: Vec<&str> = user0_memories
         .lines()
         .map(|l| l.trim_matches(|c: char| c == '|' || c.is_whitespace()))
-        .filter(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
+        .filter(|l| l.len() == 32 && l.bytes().all(|b| b.is_ascii_hexdigit()))
         .collect();
     assert!(!user0_ids.is_empty(), "{user0_memories}");
     assert!(

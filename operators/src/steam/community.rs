@@ -349,42 +349,50 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn mid(n: u8) -> MemoryId {
+        MemoryId(u128::from(n))
+    }
+
+    const fn m(n: u128) -> MemoryId {
+        MemoryId(n)
+    }
+
     #[test]
     fn an_edge_merges_and_its_removal_splits() {
         let mut c = Communities::new();
         let d = c.apply(&GraphBatch {
-            add_edges: vec![(1, 2), (3, 4)],
+            add_edges: vec![(m(1), m(2)), (m(3), m(4))],
             ..GraphBatch::default()
         });
         assert_eq!(c.count(), 2);
         assert_eq!(d.merges, 2);
         let d = c.apply(&GraphBatch {
-            add_edges: vec![(2, 3)],
+            add_edges: vec![(m(2), m(3))],
             ..GraphBatch::default()
         });
         assert_eq!(d.merges, 1);
         assert_eq!(c.count(), 1);
-        let id = c.community_of(4).unwrap();
+        let id = c.community_of(m(4)).unwrap();
         assert_eq!(d.changed, BTreeSet::from([id]));
         let d = c.apply(&GraphBatch {
-            remove_edges: vec![(3, 2)],
+            remove_edges: vec![(m(3), m(2))],
             ..GraphBatch::default()
         });
         assert_eq!(d.splits, 1);
-        assert_eq!(c.community_of(1), Some(1));
-        assert_eq!(c.community_of(4), Some(3));
+        assert_eq!(c.community_of(m(1)), Some(m(1)));
+        assert_eq!(c.community_of(m(4)), Some(m(3)));
         // Deleting a bridge node splits too; the deleted node is gone.
         c.apply(&GraphBatch {
-            add_edges: vec![(2, 5), (5, 3)],
+            add_edges: vec![(m(2), m(5)), (m(5), m(3))],
             ..GraphBatch::default()
         });
         assert_eq!(c.count(), 1);
         let d = c.apply(&GraphBatch {
-            remove_nodes: vec![5],
+            remove_nodes: vec![m(5)],
             ..GraphBatch::default()
         });
         assert_eq!(d.splits, 1);
-        assert_eq!(c.community_of(5), None);
+        assert_eq!(c.community_of(m(5)), None);
         assert_eq!(c.count(), 2);
     }
 
@@ -392,15 +400,15 @@ mod tests {
     fn a_chain_of_merges_cascades_through_one_edge() {
         let mut c = Communities::new();
         c.apply(&GraphBatch {
-            add_edges: vec![(1, 2), (3, 4), (5, 6)],
+            add_edges: vec![(m(1), m(2)), (m(3), m(4)), (m(5), m(6))],
             ..GraphBatch::default()
         });
         c.apply(&GraphBatch {
-            add_edges: vec![(2, 3), (4, 5)],
+            add_edges: vec![(m(2), m(3)), (m(4), m(5))],
             ..GraphBatch::default()
         });
         assert_eq!(c.count(), 1);
-        assert_eq!(c.members(c.community_of(1).unwrap()).unwrap().len(), 6);
+        assert_eq!(c.members(c.community_of(m(1)).unwrap()).unwrap().len(), 6);
     }
 
     #[derive(Debug, Clone)]
@@ -429,17 +437,17 @@ mod tests {
             for op in &ops {
                 let batch = match op {
                     Op::Add(e, n) => GraphBatch {
-                        add_edges: e.iter().map(|&(a, b)| (u64::from(a), u64::from(b))).collect(),
-                        add_nodes: n.iter().map(|&x| u64::from(x)).collect(),
+                        add_edges: e.iter().map(|&(a, b)| (mid(a), mid(b))).collect(),
+                        add_nodes: n.iter().map(|&x| mid(x)).collect(),
                         ..GraphBatch::default()
                     },
                     Op::Remove(e, n) => {
                         // Remove some existing edges too, so splits happen often.
-                        let mut edges: Vec<_> = e.iter().map(|&(a, b)| (u64::from(a), u64::from(b))).collect();
+                        let mut edges: Vec<_> = e.iter().map(|&(a, b)| (mid(a), mid(b))).collect();
                         edges.extend(c.edges().into_iter().step_by(3));
                         GraphBatch {
                             remove_edges: edges,
-                            remove_nodes: n.iter().map(|&x| u64::from(x)).collect(),
+                            remove_nodes: n.iter().map(|&x| mid(x)).collect(),
                             ..GraphBatch::default()
                         }
                     }
@@ -470,7 +478,7 @@ mod tests {
 
         /// The same batches give the same community ids (determinism).
         #[test]
-        fn replays_give_the_same_ids(ops in prop::collection::vec(prop::collection::vec((0u64..30, 0u64..30), 0..10), 1..10)) {
+        fn replays_give_the_same_ids(ops in prop::collection::vec(prop::collection::vec((0u128..30, 0u128..30).prop_map(|(a, b)| (m(a), m(b))), 0..10), 1..10)) {
             let run = || {
                 let mut c = Communities::new();
                 for e in &ops {

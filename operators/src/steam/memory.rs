@@ -11,12 +11,13 @@
 //! normalised mean of its interactions' embeddings (its interest centroid),
 //! so consolidation needs no model call; its content comes from a summariser
 //! (deterministic by default: the most frequent categories and the latest
-//! titles or dialogue snippets); a memory's id is a hash of its user and the
-//! event that formed it, so replays give the same ids.
+//! titles or dialogue snippets); a memory's id is a keyed hash of its user
+//! and the event that formed it ([`super::ids`]), so replays give the same
+//! ids and no client can steer one.
 
 use std::collections::BTreeMap;
 
-use super::MemoryId;
+use super::ids::{IdKey, MemoryId};
 
 /// What the user did, ready for memory evolution.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,6 +100,8 @@ pub struct EvolveParams {
     /// At most this many memories per user; past it, an observation is
     /// consolidated into its best match whatever the score.
     pub max_memories_per_user: usize,
+    /// The key memory ids are hashed under (`steam.id_key`).
+    pub id_key: IdKey,
 }
 
 impl Default for EvolveParams {
@@ -107,24 +110,9 @@ impl Default for EvolveParams {
             tau: 0.5,
             consolidate: true,
             max_memories_per_user: 256,
+            id_key: IdKey::default(),
         }
     }
-}
-
-/// The id of a user's profile memory.
-pub fn profile_memory_id(user_id: &str) -> MemoryId {
-    memory_id(user_id, "profile")
-}
-
-/// FNV-1a over the user and the forming event: a stable memory id.
-pub fn memory_id(user_id: &str, event_id: &str) -> MemoryId {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in user_id.bytes().chain([0u8]).chain(event_id.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    // Keep ids positive in signed columns.
-    h >> 1
 }
 
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -180,12 +168,13 @@ impl UserMemories {
     /// same or an older one changes nothing (`None`).
     pub fn init_from_profile(
         &mut self,
+        key: &IdKey,
         event_id: &str,
         ts_ms: i64,
         content: String,
         embedding: Vec<f32>,
     ) -> Option<MemoryId> {
-        let id = profile_memory_id(&self.user_id);
+        let id = key.profile(&self.user_id);
         if let Some(m) = self.memories.iter().find(|m| m.id == id) {
             let stored = (m.updated_ms, m.interactions.first().map(String::as_str));
             if stored >= (ts_ms, Some(event_id)) {
@@ -247,7 +236,7 @@ impl UserMemories {
         let e = normalized(obs.embedding.clone());
         // The profile memory holds static attributes, not an interest: it is
         // never a consolidation target.
-        let profile = profile_memory_id(&self.user_id);
+        let profile = params.id_key.profile(&self.user_id);
         let best = self
             .memories
             .iter()
@@ -300,7 +289,7 @@ impl UserMemories {
                 Step::Consolidated(m.id)
             }
             None => {
-                let id = memory_id(&self.user_id, &obs.event_id);
+                let id = params.id_key.memory(&self.user_id, &obs.event_id);
                 let facets: BTreeMap<String, u32> =
                     obs.categories.iter().map(|c| (c.clone(), 1)).collect();
                 let recent: Vec<String> = snippet.into_iter().collect();
@@ -350,10 +339,10 @@ mod tests {
         let b = u.observe(&obs("e2", [0.8, 0.6, 0.0], "Blue Train", "Jazz"), &p);
         // The same title again is not listed twice.
         u.observe(&obs("e2b", [0.8, 0.6, 0.0], "Blue Train", "Jazz"), &p);
-        assert_eq!(b, Step::Consolidated(memory_id("u1", "e1")));
+        assert_eq!(b, Step::Consolidated(p.id_key.memory("u1", "e1")));
         // Orthogonal: a new memory for an emerging interest.
         let c = u.observe(&obs("e3", [0.0, 0.0, 1.0], "Alien", "Sci-Fi"), &p);
-        assert_eq!(c, Step::Formed(memory_id("u1", "e3")));
+        assert_eq!(c, Step::Formed(p.id_key.memory("u1", "e3")));
         assert_eq!(u.memories.len(), 2);
         let jazz = &u.memories[0];
         assert_eq!(jazz.interactions, vec!["e1", "e2", "e2b"]);
@@ -366,7 +355,7 @@ mod tests {
         assert!((norm - 1.0).abs() < 1e-6);
         // A replayed event changes nothing.
         let again = u.observe(&obs("e2", [0.8, 0.6, 0.0], "Blue Train", "Jazz"), &p);
-        assert_eq!(again, Step::Unchanged(memory_id("u1", "e1")));
+        assert_eq!(again, Step::Unchanged(p.id_key.memory("u1", "e1")));
         assert_eq!(u.memories[0].version, 3);
     }
 
@@ -419,28 +408,28 @@ mod tests {
     #[test]
     fn profiles_initialise_one_memory_that_later_profiles_replace() {
         let mut u = UserMemories::new("u");
-        let id = u.init_from_profile("p1", 0, "age 31, likes jazz".into(), vec![1.0, 0.0]);
-        let again = u.init_from_profile("p2", 5, "age 32".into(), vec![0.0, 2.0]);
+        let id = u.init_from_profile(
+            &IdKey::default(),
+            "p1",
+            0,
+            "age 31, likes jazz".into(),
+            vec![1.0, 0.0],
+        );
+        let again =
+            u.init_from_profile(&IdKey::default(), "p2", 5, "age 32".into(), vec![0.0, 2.0]);
         assert_eq!(id, again);
         assert_eq!(u.memories.len(), 1);
         assert_eq!(u.memories[0].version, 2);
         assert_eq!(u.memories[0].embedding, vec![0.0, 1.0]);
         // Replayed or older profiles change nothing.
         assert_eq!(
-            u.init_from_profile("p2", 5, "age 32".into(), vec![0.0, 2.0]),
+            u.init_from_profile(&IdKey::default(), "p2", 5, "age 32".into(), vec![0.0, 2.0]),
             None
         );
         assert_eq!(
-            u.init_from_profile("p0", 1, "old".into(), vec![1.0, 0.0]),
+            u.init_from_profile(&IdKey::default(), "p0", 1, "old".into(), vec![1.0, 0.0]),
             None
         );
         assert_eq!(u.memories[0].version, 2);
-    }
-
-    #[test]
-    fn ids_are_stable() {
-        assert_eq!(memory_id("u1", "e1"), memory_id("u1", "e1"));
-        assert_ne!(memory_id("u1", "e1"), memory_id("u1e", "1"));
-        assert!(memory_id("x", "y") < 1 << 63);
     }
 }

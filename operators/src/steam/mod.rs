@@ -15,6 +15,7 @@
 
 pub mod community;
 pub mod geometry;
+pub mod ids;
 pub mod memory;
 pub mod relations;
 pub mod retrieve;
@@ -27,8 +28,7 @@ use self::community::{Communities, CommunityDelta, GraphBatch};
 use self::memory::{EvolveParams, Memory, Observation, Step, UserMemories, summarise};
 use self::relations::{Link, MemoryIndex};
 
-/// A memory's global id (also a community's and a prototype's id: a member's).
-pub type MemoryId = u64;
+pub use self::ids::{IdKey, MemoryId};
 
 /// Parameters of the write path.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -242,7 +242,7 @@ impl SteamState {
         // embeddings are close across users whatever their interests, and
         // linking them would join everyone's profile into one community
         // (and publish a summary of personal attributes).
-        if id == memory::profile_memory_id(user_id) {
+        if id == self.params.evolve.id_key.profile(user_id) {
             return Ok(());
         }
         // `users` and `index` are disjoint fields: no copy of the embedding.
@@ -271,7 +271,13 @@ impl SteamState {
             .users
             .entry(user_id.to_owned())
             .or_insert_with(|| UserMemories::new(user_id))
-            .init_from_profile(event_id, ts_ms, content, embedding);
+            .init_from_profile(
+                &self.params.evolve.id_key,
+                event_id,
+                ts_ms,
+                content,
+                embedding,
+            );
         if let Some(id) = id {
             self.touch(user_id, id)?;
         }
@@ -326,7 +332,7 @@ impl SteamState {
                         if let Some(i) = last {
                             user.memories.remove(i);
                         }
-                        tracing::warn!(user_id = %user_id, memory_id = id, "A new memory's id is taken; the observation is refused.");
+                        tracing::warn!(user_id = %user_id, memory_id = %id, "A new memory's id is taken; the observation is refused.");
                         out.refused += 1;
                         continue;
                     }
@@ -527,7 +533,7 @@ impl SteamState {
         {
             // Never moves an id to another owner, whatever a table or the
             // changes topic says.
-            tracing::warn!(memory_id = id, owner = %owner, claimed_by = %user, "A restored memory's id belongs to another user; ignored.");
+            tracing::warn!(memory_id = %id, owner = %owner, claimed_by = %user, "A restored memory's id belongs to another user; ignored.");
             return Ok(());
         }
         let u = self

@@ -195,11 +195,16 @@ mod tests {
     #[test]
     fn links_never_cross_tenants() {
         let mut idx = MemoryIndex::new(2).with_tenant_separator(Some(':'));
-        idx.upsert(1, "acme:alice", &[1.0, 0.0]).unwrap();
-        idx.upsert(2, "globex:bob", &[1.0, 0.0]).unwrap();
-        idx.upsert(3, "acme:carol", &[0.9, 0.1]).unwrap();
-        let links = idx.extract(&CpuKernel::default(), &[1], 5, 0.0).unwrap();
-        assert_eq!(links.iter().map(|l| l.to).collect::<Vec<_>>(), vec![3]);
+        idx.upsert(MemoryId(1), "acme:alice", &[1.0, 0.0]).unwrap();
+        idx.upsert(MemoryId(2), "globex:bob", &[1.0, 0.0]).unwrap();
+        idx.upsert(MemoryId(3), "acme:carol", &[0.9, 0.1]).unwrap();
+        let links = idx
+            .extract(&CpuKernel::default(), &[MemoryId(1)], 5, 0.0)
+            .unwrap();
+        assert_eq!(
+            links.iter().map(|l| l.to).collect::<Vec<_>>(),
+            vec![MemoryId(3)]
+        );
         assert_eq!(tenant_of("acme:alice", Some(':')), "acme");
         assert_eq!(tenant_of("alice", Some(':')), "default");
         assert_eq!(tenant_of("acme:alice", None), "default");
@@ -208,27 +213,35 @@ mod tests {
     #[test]
     fn links_go_to_other_users_above_tau_only() {
         let mut idx = MemoryIndex::new(2);
-        idx.upsert(1, "alice", &[1.0, 0.0]).unwrap();
-        idx.upsert(2, "alice", &[0.99, 0.1]).unwrap(); // same user: never linked
-        idx.upsert(3, "bob", &[0.9, 0.3]).unwrap();
-        idx.upsert(4, "carol", &[0.0, 1.0]).unwrap(); // orthogonal: below tau
-        idx.upsert(5, "dave", &[0.8, 0.5]).unwrap();
-        let links = idx.extract(&CpuKernel::default(), &[1], 2, 0.5).unwrap();
+        idx.upsert(MemoryId(1), "alice", &[1.0, 0.0]).unwrap();
+        idx.upsert(MemoryId(2), "alice", &[0.99, 0.1]).unwrap(); // same user: never linked
+        idx.upsert(MemoryId(3), "bob", &[0.9, 0.3]).unwrap();
+        idx.upsert(MemoryId(4), "carol", &[0.0, 1.0]).unwrap(); // orthogonal: below tau
+        idx.upsert(MemoryId(5), "dave", &[0.8, 0.5]).unwrap();
+        let links = idx
+            .extract(&CpuKernel::default(), &[MemoryId(1)], 2, 0.5)
+            .unwrap();
         let to: Vec<MemoryId> = links.iter().map(|l| l.to).collect();
-        assert_eq!(to, vec![3, 5]);
-        assert!(links.iter().all(|l| l.from == 1 && l.score >= 0.5));
+        assert_eq!(to, vec![MemoryId(3), MemoryId(5)]);
+        assert!(
+            links
+                .iter()
+                .all(|l| l.from == MemoryId(1) && l.score >= 0.5)
+        );
         // Deleted memories are never linked, and their rows are reused.
-        idx.remove(3);
+        idx.remove(MemoryId(3));
         let to: Vec<MemoryId> = idx
-            .extract(&CpuKernel::default(), &[1], 2, 0.5)
+            .extract(&CpuKernel::default(), &[MemoryId(1)], 2, 0.5)
             .unwrap()
             .iter()
             .map(|l| l.to)
             .collect();
-        assert_eq!(to, vec![5]);
-        idx.upsert(6, "erin", &[1.0, 0.0]).unwrap();
+        assert_eq!(to, vec![MemoryId(5)]);
+        idx.upsert(MemoryId(6), "erin", &[1.0, 0.0]).unwrap();
         assert_eq!(idx.len(), 5);
-        let first = idx.extract(&CpuKernel::default(), &[1], 1, 0.5).unwrap();
-        assert_eq!(first[0].to, 6);
+        let first = idx
+            .extract(&CpuKernel::default(), &[MemoryId(1)], 1, 0.5)
+            .unwrap();
+        assert_eq!(first[0].to, MemoryId(6));
     }
 }

@@ -399,7 +399,7 @@ fn profile_memories_are_never_linked_across_users() {
         .unwrap();
     let out = s.link(&CpuKernel::default(), &o.changed).unwrap();
     assert_eq!(out.links.len(), 2);
-    let profile = memory::profile_memory_id("ann");
+    let profile = IdKey::default().profile("ann");
     assert!(
         out.links
             .iter()
@@ -408,10 +408,10 @@ fn profile_memories_are_never_linked_across_users() {
 }
 
 /// Issue 44, item 8: no memory id changes owner. A dialogue turn with the
-/// `event_id` "profile" would form a memory with the profile memory's id;
-/// a memory restored (from a table or the changes topic) under an id
-/// another user holds would take it over. Both are refused and the holder
-/// keeps its memory as it was.
+/// `event_id` "profile" forms a memory of its own (it once took the
+/// profile memory's id); a memory restored (from a table or the changes
+/// topic) under an id another user holds is refused and the holder keeps
+/// its memory as it was.
 #[test]
 fn a_memory_id_never_changes_owner() {
     let mut s = SteamState::new(SteamParams::default(), 3);
@@ -423,7 +423,7 @@ fn a_memory_id_never_changes_owner() {
         vec![1.0, 0.0, 0.0],
     )
     .unwrap();
-    let profile = memory::profile_memory_id("ann");
+    let profile = IdKey::default().profile("ann");
     let before = s.memory(profile).unwrap().clone();
     let o = s
         .observe(vec![(
@@ -431,9 +431,9 @@ fn a_memory_id_never_changes_owner() {
             obs("profile", 5, [0.0, 1.0, 0.0], "Forged", "x"),
         )])
         .unwrap();
-    assert_eq!((o.formed, o.refused), (0, 1));
+    assert_eq!((o.formed, o.refused), (1, 0));
     assert_eq!(s.memory(profile), Some(&before));
-    assert_eq!(s.user("ann").unwrap().memories.len(), 1);
+    assert_eq!(s.user("ann").unwrap().memories.len(), 2);
     // Mallory's memory restored under ann's profile id.
     let mut forged = before.clone();
     forged.user_id = "mallory".into();
@@ -445,7 +445,7 @@ fn a_memory_id_never_changes_owner() {
     let o = s
         .observe(vec![(
             "ann".into(),
-            obs("a1", 6, [0.0, 1.0, 0.0], "Blue Train", "Jazz"),
+            obs("a1", 6, [0.0, 0.0, 1.0], "Blue Train", "Jazz"),
         )])
         .unwrap();
     assert_eq!(o.formed, 1);

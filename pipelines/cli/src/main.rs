@@ -702,10 +702,13 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
         }
         Cmd::Migrate { config } => {
             let config = Config::load(config.as_deref())?;
-            let report =
-                steamrf_pipelines::migrate::migrate(&config.lancedb, config.tenancy.separator())
-                    .await
-                    .context("migrate")?;
+            let report = steamrf_pipelines::migrate::migrate(
+                &config.lancedb,
+                config.tenancy.separator(),
+                &config.steam.params().evolve.id_key,
+            )
+            .await
+            .context("migrate")?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(ExitCode::SUCCESS)
         }

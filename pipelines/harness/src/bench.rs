@@ -1588,7 +1588,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
     use steamrf_operators::steam::memory::Memory;
     use steamrf_operators::steam::relations::Link;
-    use steamrf_operators::steam::{SteamParams, SteamState};
+    use steamrf_operators::steam::{MemoryId, SteamParams, SteamState};
 
     let internal = |e: steamrf_kernels::Error| Error::Internal {
         message: e.to_string(),
@@ -1602,8 +1602,11 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let mut state = SteamState::new(params, b.dim);
     let mut by_topic: Vec<Vec<u64>> = vec![Vec::new(); topics];
     let t = Instant::now();
+    // Sequential ids: the bench measures the kernel and the graph, not the
+    // hash (memory ids are opaque to both).
+    let mid = |id: u64| MemoryId(u128::from(id));
     let mk = |id: u64, user: usize, topic: usize, embedding: Vec<f32>| Memory {
-        id,
+        id: mid(id),
         user_id: format!("u{user}"),
         content: String::new(),
         embedding,
@@ -1641,7 +1644,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         }
         let mut rows = Vec::with_capacity(members.len() * b.dim);
         for &id in members {
-            if let Some(m) = state.memory(id) {
+            if let Some(m) = state.memory(mid(id)) {
                 rows.extend_from_slice(&m.embedding);
             }
         }
@@ -1663,12 +1666,12 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             let links = hs
                 .into_iter()
                 .map(|h| Link {
-                    from: members[q],
-                    to: members[h.index as usize],
+                    from: mid(members[q]),
+                    to: mid(members[h.index as usize]),
                     score: h.score,
                 })
                 .collect();
-            state.restore_links(members[q], links);
+            state.restore_links(mid(members[q]), links);
         }
     }
     out.push(format!(
@@ -1699,7 +1702,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             state
                 .restore_memory(mk(next_id, user, topic, e))
                 .map_err(internal)?;
-            ids.push(next_id);
+            ids.push(mid(next_id));
             next_id += 1;
         }
         let t = Instant::now();
@@ -1732,7 +1735,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     } else {
         blocks.min(3)
     };
-    let all = (1..=n as u64).collect::<Vec<_>>();
+    let all = (1..=n as u64).map(mid).collect::<Vec<_>>();
     let t = Instant::now();
     for block in all.chunks(b.batch).take(measured) {
         // The same call the incremental path makes, for `batch` memories.

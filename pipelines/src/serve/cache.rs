@@ -45,6 +45,7 @@ use steamrf_schemas::tables::EMBEDDING_DIM;
 
 use crate::config::{CorpusKind, ServeConfig};
 use crate::error::{Chain, Error, Result};
+use crate::sink::ids::{is_legacy, read_id_lists, read_ids, sql_list};
 use crate::steam::vector;
 
 /// What a corpus row is.
@@ -904,14 +905,14 @@ impl Tables {
             .await?;
         let template = self.signals.item_template.clone();
         tokio::task::spawn_blocking(move || {
-            let mut snap = Snapshot::new(catalogue(&items), prototypes(&protos));
+            let mut snap = Snapshot::new(catalogue(&items), prototypes(&protos)?);
             snap.text = template.map(|t| Arc::new(item_texts(&items, &t)));
-            snap
+            Ok(snap)
         })
         .await
         .map_err(|e| Error::Internal {
             message: format!("reading the catalogue panicked: {e}"),
-        })
+        })?
     }
 
     /// The rows of `name` that versions after `from` up to the handle's
@@ -1092,7 +1093,8 @@ impl Loader for Tables {
             let (cfg, items, user) = (cfg.clone(), snap.items.clone(), user_id.to_owned());
             tokio::task::spawn_blocking(move || {
                 let mut mems = Vec::new();
-                for b in &memories {
+                // Memories with 63-bit ids wait for `steamrf migrate`.
+                for b in memories.iter().filter(|b| !is_legacy(b.column(0))) {
                     mems.extend(crate::steam::memories_from(b)?);
                 }
                 let rows = UserRows {
@@ -1115,11 +1117,7 @@ impl Loader for Tables {
         Box::pin(async move {
             let mut out = Vec::with_capacity(ids.len());
             for chunk in ids.chunks(1024) {
-                let list = chunk
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(",");
+                let list = sql_list(chunk);
                 let batches = self
                     .query(
                         "memories",
@@ -1127,7 +1125,7 @@ impl Loader for Tables {
                         Some(format!("memory_id IN ({list})")),
                     )
                     .await?;
-                for b in &batches {
+                for b in batches.iter().filter(|b| !is_legacy(b.column(0))) {
                     out.extend(crate::steam::memories_from(b)?);
                 }
             }
@@ -1189,15 +1187,18 @@ pub fn item_texts(items: &[RecordBatch], template: &str) -> ItemText {
 
 /// The prototypes in `prototypes` batches (`prototype_id`, `content`,
 /// `embedding`, `member_ids`, `users`).
-fn prototypes(batches: &[RecordBatch]) -> HashMap<MemoryId, Prototype> {
+fn prototypes(batches: &[RecordBatch]) -> Result<HashMap<MemoryId, Prototype>> {
     let mut out = HashMap::new();
     for b in batches {
-        let id = b.column(0).as_primitive::<Int64Type>();
+        if is_legacy(b.column(0)) {
+            // Until `steamrf migrate` has run (warned at start).
+            continue;
+        }
+        let ids = read_ids(b.column(0), "prototypes.prototype_id")?;
         let content = b.column(1).as_string::<i32>();
-        let members = b.column(3).as_list::<i32>();
+        let members = read_id_lists(b.column(3), "prototypes.member_ids")?;
         let users = b.column(4).as_primitive::<Int32Type>();
-        for r in 0..b.num_rows() {
-            let pid = id.value(r) as MemoryId;
+        for (r, (pid, members)) in ids.into_iter().zip(members).enumerate() {
             out.insert(
                 pid,
                 Prototype {
@@ -1206,19 +1207,13 @@ fn prototypes(batches: &[RecordBatch]) -> HashMap<MemoryId, Prototype> {
                     embedding: vector(b.column(2), r)
                         .map(<[f32]>::to_vec)
                         .unwrap_or_default(),
-                    members: members
-                        .value(r)
-                        .as_primitive::<Int64Type>()
-                        .values()
-                        .iter()
-                        .map(|&m| m as MemoryId)
-                        .collect(),
+                    members,
                     users: usize::try_from(users.value(r)).unwrap_or(0),
                 },
             );
         }
     }
-    out
+    Ok(out)
 }
 
 struct Row {
@@ -2099,7 +2094,7 @@ mod tests {
         assert!(c.user("a").is_none(), "read before the invalidation: stale");
         c.insert_user("a", sized(10, false), c.generation());
         assert!(c.user("a").is_some());
-        c.insert_members(7, Arc::new(Members::default()), c.generation());
+        c.insert_members(MemoryId(7), Arc::new(Members::default()), c.generation());
         assert_eq!(c.stats().prototypes, 1);
         // A change of one user refuses only the fills of that user: one
         // user written to on every refresh keeps nobody else from being
@@ -2113,7 +2108,7 @@ mod tests {
         assert!(c.user("calm").is_some(), "another user's change");
         c.insert_user("busy", sized(10, false), g);
         assert!(c.user("busy").is_none(), "its own change");
-        c.insert_members(8, Arc::new(Members::default()), g);
+        c.insert_members(MemoryId(8), Arc::new(Members::default()), g);
         assert_eq!(c.stats().prototypes, 2);
         c.insert_user("busy", sized(10, false), c.generation());
         assert!(c.user("busy").is_some());

@@ -31,7 +31,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::Int64Type;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -1621,8 +1620,11 @@ async fn refresh(
                 if table == "memories" {
                     // A member's content or vector changed: the prototypes it
                     // was and is in.
-                    for m in b.column(1).as_primitive::<Int64Type>().values() {
-                        let m = *m as MemoryId;
+                    if crate::sink::ids::is_legacy(b.column(1)) {
+                        // Until `steamrf migrate` has run: no members to find.
+                        continue;
+                    }
+                    for m in crate::sink::ids::read_ids(b.column(1), "memories.memory_id")? {
                         for snap_ in [current, &snap] {
                             if let Some(p) = snap_.community_of.get(&m) {
                                 changes.prototypes.insert(*p);

@@ -41,30 +41,50 @@ pub async fn delete_counted(table: &Table, filter: &str) -> Result<u64> {
 /// an earlier steamrf wrote that `steamrf migrate` upgrades; `None` for any other
 /// mismatch.
 pub fn pending(name: &str, actual: &Schema) -> Option<String> {
-    (name == TableName::Interactions.as_str() && actual.field_with_name("embedding").is_ok()).then(
-        || {
+    if name == TableName::Interactions.as_str() && actual.field_with_name("embedding").is_ok() {
+        return Some(
             "table interactions was written by an earlier steamrf: it still holds the \
              turn vectors in its `embedding` column, which now live in `turn_vectors`. \
              Stop every ingest instance and run `steamrf migrate` (same config) once; \
              it copies the vectors and drops the column."
-                .to_owned()
-        },
-    )
+                .to_owned(),
+        );
+    }
+    legacy_ids(name, actual).then(|| super::ids::legacy_message(&format!("table {name}")))
+}
+
+/// Whether `actual` is a memory table as an earlier steamrf wrote it, with
+/// 63-bit `Int64` memory ids.
+pub fn legacy_ids(name: &str, actual: &Schema) -> bool {
+    let id = match name {
+        "memories" => "memory_id",
+        "memory_links" => "from_id",
+        "prototypes" => "prototype_id",
+        _ => return false,
+    };
+    actual
+        .field_with_name(id)
+        .is_ok_and(|f| f.data_type() == &arrow_schema::DataType::Int64)
 }
 
 /// Logs a warning when `db` holds tables an earlier steamrf wrote: `serve`
 /// keeps answering from them (it reads columns by name), but without the
-/// turn vectors until `steamrf migrate` has run.
+/// turn vectors until `steamrf migrate` has run, and without memories or
+/// prototypes while their ids are 63-bit.
 pub async fn warn_if_pending(db: &lancedb::Connection) {
-    let name = TableName::Interactions.as_str();
-    let Ok(table) = db.open_table(name).execute().await else {
-        return;
-    };
-    if let Ok(schema) = table.schema().await
-        && let Some(problem) = pending(name, &schema)
-    {
-        tracing::warn!(
-            "{problem} Until then dialogue turns are answered without their vectors (not searchable as turns or sessions)."
-        );
+    for name in [
+        TableName::Interactions.as_str(),
+        "memories",
+        "memory_links",
+        "prototypes",
+    ] {
+        let Ok(table) = db.open_table(name).execute().await else {
+            continue;
+        };
+        if let Ok(schema) = table.schema().await
+            && let Some(problem) = pending(name, &schema)
+        {
+            tracing::warn!("{problem} Until then the service answers without what it holds.");
+        }
     }
 }
