@@ -32,12 +32,13 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use steamrf_schemas::TableName;
 
-use super::soak::{Child, metric, ready_client, start_service, status_mib, topic_of, turns_shaped};
-use super::{Synth, internal, percentile};
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::sink::{self, LanceSink};
+
+use super::soak::{Child, metric, ready_client, start_service, status_mib, topic_of, turns_shaped};
+use super::{Synth, internal, percentile};
 
 /// Options of `steamrf bench hammer`.
 #[derive(Debug, Clone)]

@@ -31,9 +31,10 @@ use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
-use super::{Synth, internal, percentile, rss_bytes};
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::serve::cache::vector_store;
+
+use super::{Synth, internal, percentile, rss_bytes};
 
 /// Options of `steamrf bench retrieve`.
 #[derive(Debug, Clone)]

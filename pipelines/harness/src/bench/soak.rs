@@ -31,11 +31,12 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use steamrf_schemas::{Provenance, TableBatches, TableBuilders, decode};
 
-use super::{Synth, internal, percentile, proc_status_bytes};
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::sink::LanceSink;
+
+use super::{Synth, internal, percentile, proc_status_bytes};
 
 /// Options of `steamrf bench soak`.
 #[derive(Debug, Clone)]

@@ -2,19 +2,45 @@
 //! steamrf's own operators. Each command prints a report ending with one
 //! `RESULT key=value …` line and writes a markdown table to `--out`.
 
+mod datasets;
 mod passages;
 mod plot;
 pub mod pyjson;
+mod recommenders;
 mod rfmem;
 mod simulate;
 mod steam;
+mod task;
 
 pub use rfmem::{RfMemEval, rfmem};
-pub use steam::{Geometry, Scoring, SteamEval, steam};
+pub use task::{Geometry, Scoring, SteamEval};
 
 use std::path::{Path, PathBuf};
 
 use steamrf_pipelines::error::{Error, Result};
+
+/// Runs the evaluation (`e.task`: ranking, simulation or diversity).
+///
+/// # Errors
+/// Missing data or embedding failures.
+pub async fn steam(e: SteamEval) -> Result<Vec<String>> {
+    if e.fit_only && e.task != "ranking" {
+        return Err(Error::Config {
+            problems: vec![format!(
+                "--fit-only: only the ranking task has a fused ranker to fit (got --task {})",
+                e.task
+            )],
+        });
+    }
+    match e.task.as_str() {
+        "ranking" => steam::ranking(e).await,
+        "simulation" => simulate::simulation(e).await,
+        "diversity" => simulate::diversity(e).await,
+        other => Err(datasets::bad(format!(
+            "unknown task {other:?} (ranking, simulation, diversity)"
+        ))),
+    }
+}
 
 /// A progress bar on stderr for a long loop (drawn only on a terminal).
 pub(crate) fn progress(len: usize, what: &str) -> indicatif::ProgressBar {

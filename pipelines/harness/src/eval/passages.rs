@@ -28,8 +28,9 @@ use steamrf_operators::passage::{
 };
 use steamrf_operators::rfmem::{Mode, Path, RfMemParams, VectorStore};
 
-use super::pyjson::Json;
 use steamrf_pipelines::error::{Error, Result};
+
+use super::pyjson::Json;
 
 /// One memory item as a session: its header and its turns as text.
 #[derive(Debug, Clone, PartialEq)]

@@ -21,11 +21,12 @@ use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 
+use steamrf_pipelines::config::EmbedConfig;
+use steamrf_pipelines::error::{Error, Result};
+
 use super::passages;
 use super::plot;
 use super::pyjson::{self, Json};
-use steamrf_pipelines::config::EmbedConfig;
-use steamrf_pipelines::error::{Error, Result};
 
 /// Options of `steamrf eval rfmem`.
 #[derive(Debug, Clone)]

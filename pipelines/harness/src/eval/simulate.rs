@@ -41,18 +41,22 @@ use std::time::Instant;
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
 
-use super::plot::{self, Series};
-use super::steam::{
-    Catalogue, Items, ML_TEMPLATE, Ranker, SteamEval, User, bad, cds_catalogue, embed_items,
-    feature_rows, features_of, histories, item_cf, item_text, mean_sd, ml_items, ml_sample,
-    movielens, negative_pool, others_of, rankers, recommend_params, steam_states, unseen, user_knn,
-    users,
-};
 use steamrf_operators::fuse::{self, Slate};
 use steamrf_operators::rank::ItemText;
 use steamrf_operators::steam::retrieve::RecommendParams;
 
 use steamrf_pipelines::error::Result;
+
+use super::SteamEval;
+use super::datasets::{
+    Catalogue, Items, ML_TEMPLATE, User, bad, cds_catalogue, embed_items, histories, ml_items,
+    ml_sample, movielens, negative_pool, others_of, unseen, users,
+};
+use super::plot::{self, Series};
+use super::recommenders::{
+    Ranker, feature_rows, features_of, item_cf, item_text, mean_sd, rankers, recommend_params,
+    steam_states, user_knn,
+};
 
 /// Items shown to an agent.
 const SHOWN: usize = 20;
