@@ -1,17 +1,25 @@
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
 
+use futures::future::BoxFuture;
 use serde_json::{Value, json};
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
-use steamrf_operators::steam::SteamState;
-use steamrf_operators::steam::memory::Observation;
+use steamrf_operators::embed::Embedder;
+use steamrf_operators::passage;
+use steamrf_operators::rank;
+use steamrf_operators::rfmem::{self, RfMemParams};
+use steamrf_operators::steam::memory::{Memory, Observation, UserMemories};
+use steamrf_operators::steam::{MemoryId, SteamParams, SteamState};
 use steamrf_schemas::tables::EMBEDDING_DIM;
+use tokio::sync::Semaphore;
 
-use steamrf_operators::steam::memory::{Memory, UserMemories};
-use steamrf_operators::steam::{MemoryId, SteamParams};
-
-use super::cache::{Entry, EntryKind, ItemInfo, UserCorpus};
+use super::auth::Auth;
+use super::cache::{Changes, Entry, EntryKind, ItemInfo, Loader, UserCorpus, UserData};
+use super::recommend::rank;
 use super::*;
+use crate::config::ServeConfig;
 
 fn unit(axis: &[(usize, f32)]) -> Vec<f32> {
     let mut v = vec![0.0f32; EMBEDDING_DIM];

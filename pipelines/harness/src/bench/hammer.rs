@@ -30,12 +30,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use steamrf_schemas::TableName;
-
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::sink::{self, LanceSink};
+use steamrf_schemas::TableName;
 
 use super::soak::{Child, metric, ready_client, start_service, status_mib, topic_of, turns_shaped};
 use super::{Synth, internal, percentile};

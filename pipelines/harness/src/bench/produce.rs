@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::source;
 

@@ -30,7 +30,6 @@ use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
-
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::serve::cache::vector_store;
 

@@ -24,13 +24,12 @@
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use steamrf_schemas::TableName;
-use steamrf_schemas::tables::EMBEDDING_DIM;
-
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::sink::{self, LanceSink};
+use steamrf_schemas::TableName;
+use steamrf_schemas::tables::EMBEDDING_DIM;
 
 use super::soak::{
     Child, metric, ready_client, rss_mib, start_service, status_mib, topic_of as topic, turns,

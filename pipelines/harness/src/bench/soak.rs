@@ -29,12 +29,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use steamrf_schemas::{Provenance, TableBatches, TableBuilders, decode};
-
 use steamrf_pipelines::config::LanceDbConfig;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
 use steamrf_pipelines::sink::LanceSink;
+use steamrf_schemas::{Provenance, TableBatches, TableBuilders, decode};
 
 use super::{Synth, internal, percentile, proc_status_bytes};
 

@@ -8,7 +8,6 @@ use std::time::Instant;
 
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
-
 use steamrf_pipelines::config::EmbedConfig;
 use steamrf_pipelines::error::{Error, Result};
 

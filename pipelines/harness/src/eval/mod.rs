@@ -12,12 +12,11 @@ mod simulate;
 mod steam;
 mod task;
 
-pub use rfmem::{RfMemEval, rfmem};
-pub use task::{Geometry, Scoring, SteamEval};
-
 use std::path::{Path, PathBuf};
 
+pub use rfmem::{RfMemEval, rfmem};
 use steamrf_pipelines::error::{Error, Result};
+pub use task::{Geometry, Scoring, SteamEval};
 
 /// Runs the evaluation (`e.task`: ranking, simulation or diversity).
 ///

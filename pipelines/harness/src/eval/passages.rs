@@ -27,7 +27,6 @@ use steamrf_operators::passage::{
     self, HybridParams, PassageIndex, WindowParams, header, render, windows,
 };
 use steamrf_operators::rfmem::{Mode, Path, RfMemParams, VectorStore};
-
 use steamrf_pipelines::error::{Error, Result};
 
 use super::pyjson::Json;

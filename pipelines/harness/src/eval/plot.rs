@@ -10,7 +10,6 @@ use std::sync::OnceLock;
 
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
-
 use steamrf_pipelines::error::{Error, Result};
 
 const FONT_PATHS: [&str; 2] = [

@@ -14,9 +14,8 @@ use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::{MemoryView, RecommendParams, recommend};
 use steamrf_operators::steam::{MemoryId, Prototype};
 use steamrf_operators::steam::{SteamParams, SteamState};
-use steamrf_schemas::{Event, decode};
-
 use steamrf_pipelines::error::{Error, Result};
+use steamrf_schemas::{Event, decode};
 
 use super::Scoring;
 use super::datasets::{Items, Sample, User, bad};

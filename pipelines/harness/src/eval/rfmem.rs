@@ -20,7 +20,6 @@ use std::time::Instant;
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
-
 use steamrf_pipelines::config::EmbedConfig;
 use steamrf_pipelines::error::{Error, Result};
 

@@ -40,11 +40,9 @@ use std::time::Instant;
 
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
-
 use steamrf_operators::fuse::{self, Slate};
 use steamrf_operators::rank::ItemText;
 use steamrf_operators::steam::retrieve::RecommendParams;
-
 use steamrf_pipelines::error::Result;
 
 use super::SteamEval;

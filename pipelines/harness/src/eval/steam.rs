@@ -31,7 +31,6 @@ use steamrf_operators::fuse::Fit;
 use steamrf_operators::rank::{self, ItemText, Weights};
 use steamrf_operators::steam::SteamParams;
 use steamrf_operators::steam::retrieve::RecommendParams;
-
 use steamrf_pipelines::error::{Error, Result};
 
 use super::SteamEval;

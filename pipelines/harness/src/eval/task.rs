@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 
 use steamrf_operators::steam::SteamParams;
-
 use steamrf_pipelines::config::EmbedConfig;
 
 /// Options of `steamrf eval steam`.
