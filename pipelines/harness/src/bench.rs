@@ -25,7 +25,7 @@ pub use decode::{DecodeBench, decode_bench};
 pub use embedding::{EmbedBench, embed};
 pub use hammer::{HammerBench, hammer};
 pub use index::{IndexBench, index};
-pub use ingest::{IngestBench, ingest};
+pub use ingest::IngestBench;
 pub use produce::{
     PROFILE, bench_event, bench_event_mixed, bench_is_turn, bench_turn_text, produce_events,
     result_fields,
@@ -35,6 +35,21 @@ pub use serve::{ServeBench, serve};
 pub use similarity::{SimilarityBench, similarity};
 pub use soak::{SoakBench, soak};
 pub use texts::bench_texts;
+
+/// `steamrf bench ingest`: runs the benchmark and returns the output lines,
+/// the last one being the `RESULT` line: the throughput against kcat, or,
+/// with `rate`, the end-to-end latency at that rate.
+///
+/// # Errors
+/// Invalid options, broker, kcat or pipeline failures.
+pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
+    let (topic, distinct) = ingest::prepare(&b).await?;
+    if b.rate > 0 {
+        latency::ingest_latency(b, topic, distinct).await
+    } else {
+        ingest::throughput(b, topic, distinct).await
+    }
+}
 
 /// Restarts the kernel's peak-RSS mark (`VmHWM`) at the current RSS
 /// (Linux: `echo 5 > /proc/self/clear_refs`); without it `VmHWM` keeps the

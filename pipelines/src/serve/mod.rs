@@ -18,6 +18,7 @@
 //! miss, and a small shared [`cache::Snapshot`] swapped in by a refresh task
 //! that also evicts what changed; see [`cache`].
 
+mod api_error;
 pub mod auth;
 pub mod cache;
 pub mod events;
@@ -44,12 +45,12 @@ pub use steamrf_schemas::api::{
 };
 use tokio::net::TcpListener;
 
+pub use self::api_error::ApiError;
 use self::cache::{Snapshot, Tables};
 pub use self::metrics::ServeMetrics;
 pub use self::recommend::{RankedItem, RecommendResponse, SignalValues};
 use self::recommend::{recommend, recommend_as};
 use self::refresh::{TokensFile, refresh_loop, tokens_loop};
-pub use self::request::ApiError;
 use self::request::{authenticate, authorize, read_body, respond_with};
 pub use self::retrieve::{Collaborative, Explanation, Item, Latency, Provenance, RetrieveResponse};
 use self::retrieve::{retrieve, retrieve_as};

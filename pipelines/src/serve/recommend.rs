@@ -13,9 +13,10 @@ use steamrf_operators::steam::retrieve::{self as steam_retrieve, MemoryView, Rec
 pub(super) use steamrf_schemas::api::RecommendRequest;
 use steamrf_schemas::api::{self};
 
+use super::api_error::ApiError;
 use super::auth::Scope;
 use super::cache::View;
-use super::request::{ApiError, authenticate, authorize, read_body, respond};
+use super::request::{authenticate, authorize, read_body, respond};
 use super::state::AppState;
 use crate::error::Result;
 

@@ -18,12 +18,11 @@ use steamrf_operators::steam::retrieve::{self as steam_retrieve, MemoryView, Rec
 pub(super) use steamrf_schemas::api::RetrieveRequest;
 use steamrf_schemas::api::{self};
 
+use super::api_error::ApiError;
 use super::auth::Scope;
 use super::cache;
 use super::cache::View;
-use super::request::{
-    ApiError, Budget, SetOnDrop, authenticate, authorize, ms, read_body, respond,
-};
+use super::request::{Budget, SetOnDrop, authenticate, authorize, ms, read_body, respond};
 use super::state::AppState;
 use crate::config::ServeConfig;
 use crate::error::Result;

@@ -15,11 +15,11 @@ use steamrf_operators::embed::Embedder;
 use steamrf_operators::steam::MemoryId;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::api_error::ApiError;
 use super::auth::Auth;
 use super::cache::{Cache, Loader, Members, Snapshot, UserData, View};
 use super::events;
 use super::metrics::ServeMetrics;
-use super::request::ApiError;
 use crate::config::ServeConfig;
 use crate::error::{Chain, Result};
 

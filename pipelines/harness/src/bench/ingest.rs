@@ -20,7 +20,6 @@ use steamrf_pipelines::pipeline::{self, RunOptions};
 use steamrf_pipelines::{source, sql};
 
 use super::embedding::turn_rates;
-use super::latency::ingest_latency;
 use super::produce::produce_in_child;
 use super::{reset_peak_rss, rss_bytes};
 
@@ -140,40 +139,51 @@ pub struct IngestBench {
     /// their passage windows); the rest are clicks.
     pub turns_share: f64,
     /// Produce at this many events/s while the pipeline runs and measure
-    /// the produce → durable latency ([`super::latency::ingest_latency`]); 0: produce the
+    /// the produce → durable latency (`bench/latency.rs`); 0: produce the
     /// backlog first and measure throughput against kcat.
     pub rate: u64,
 }
 
-/// Runs the benchmark and returns the output lines, the last one being the `RESULT` line.
+/// The topic the benchmark produces to (created here) and the number of
+/// distinct users of its events, after checking the options.
 ///
 /// # Errors
-/// Broker, kcat or pipeline failures.
-pub async fn ingest(b: IngestBench) -> Result<Vec<String>> {
-    let mut out = Vec::new();
+/// Invalid options, or the broker failing to create the topic.
+pub(super) async fn prepare(b: &IngestBench) -> Result<(String, u64)> {
     let stamp = chrono::Utc::now().format("%Y%m%d%H%M%S%3f");
     let topic = format!("steamrf-bench-{stamp}");
-    source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions, &[]).await?;
-    let n = b.events;
-    // In a child process (`steamrf bench produce`), so that the producer's
-    // buffers (the whole backlog, until delivered) are not counted in this
-    // process's memory below.
-    let distinct = if b.distinct == 0 {
-        n
-    } else {
-        b.distinct.min(n)
-    };
-    let turns_share = b.turns_share;
-    if !(0.0..=1.0).contains(&turns_share) {
+    if !(0.0..=1.0).contains(&b.turns_share) {
         return Err(Error::Config {
             problems: vec![format!(
-                "--turns-share: must be in [0, 1], got {turns_share}"
+                "--turns-share: must be in [0, 1], got {}",
+                b.turns_share
             )],
         });
     }
-    if b.rate > 0 {
-        return ingest_latency(b, topic, distinct).await;
-    }
+    source::ensure_topic(&b.brokers, &Default::default(), &topic, b.partitions, &[]).await?;
+    let distinct = if b.distinct == 0 {
+        b.events
+    } else {
+        b.distinct.min(b.events)
+    };
+    Ok((topic, distinct))
+}
+
+/// The throughput run: the backlog produced first (in a child process, so
+/// that the producer's buffers, the whole backlog until delivered, are not
+/// counted in this process's memory), then kcat's consume rate and
+/// steamrf's ingest rate of it.
+///
+/// # Errors
+/// Broker, kcat or pipeline failures.
+pub(super) async fn throughput(
+    b: IngestBench,
+    topic: String,
+    distinct: u64,
+) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let n = b.events;
+    let turns_share = b.turns_share;
     let (exe, brokers, t) = (b.producer.clone(), b.brokers.clone(), topic.clone());
     let (produce_rate, avg_bytes) = tokio::task::spawn_blocking(move || {
         produce_in_child(&exe, &brokers, &t, n, distinct, turns_share, 0)

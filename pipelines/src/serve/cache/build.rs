@@ -16,8 +16,8 @@ use steamrf_operators::rfmem::VectorStore;
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_schemas::tables::EMBEDDING_DIM;
 
+use super::corpus::opt_str;
 use super::corpus::{Entry, EntryKind, ItemInfo, UserCorpus, UserData, Window, memory_bytes};
-use super::tables::opt_str;
 use crate::config::{CorpusKind, ServeConfig};
 use crate::error::{Error, Result};
 use crate::steam::vector;

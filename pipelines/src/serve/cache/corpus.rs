@@ -5,6 +5,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use arrow_array::Array;
+use arrow_array::cast::AsArray;
 use serde::Serialize;
 use steamrf_operators::passage::PassageIndex;
 use steamrf_operators::steam::MemoryId;
@@ -224,4 +226,9 @@ pub struct ItemInfo {
     pub title: String,
     /// Its embedding (unit length).
     pub embedding: Vec<f32>,
+}
+
+pub(super) fn opt_str(col: &dyn Array, row: usize) -> Option<&str> {
+    let s = col.as_string::<i32>();
+    (!s.is_null(row)).then(|| s.value(row))
 }

@@ -16,8 +16,8 @@ use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_operators::steam::retrieve::MemoryView;
 use steamrf_operators::steam::{MemoryId, Prototype};
 
+use super::corpus::opt_str;
 use super::corpus::{ItemInfo, Members, UserData};
-use super::tables::opt_str;
 use crate::error::Result;
 use crate::sink::ids::{is_legacy, read_id_lists, read_ids};
 use crate::steam::vector;

@@ -7,9 +7,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arrow_array::RecordBatch;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{TimestampMillisecondType, UInt64Type};
-use arrow_array::{Array, RecordBatch};
 use futures::TryStreamExt;
 use futures::future::BoxFuture;
 use lancedb::query::{ExecutableQuery, QueryBase, Select};
@@ -512,9 +512,4 @@ impl Loader for Tables {
             Ok(out)
         })
     }
-}
-
-pub(super) fn opt_str(col: &dyn Array, row: usize) -> Option<&str> {
-    let s = col.as_string::<i32>();
-    (!s.is_null(row)).then(|| s.value(row))
 }
