@@ -18,7 +18,7 @@ use steamrf_schemas::memory::MemoryTable;
 
 use super::Report;
 use crate::error::{Error, Result};
-use crate::sink::admin::legacy_ids;
+use crate::sink::admin::has_legacy_ids;
 use crate::sink::ids::{id_lists_array, ids_array};
 
 /// Rewrites the memory tables that still hold 63-bit ids.
@@ -39,7 +39,7 @@ pub(super) async fn migrate(
             .schema()
             .await
             .map_err(Error::lance(format!("reading the schema of {name}")))?;
-        if legacy_ids(name, &schema) {
+        if has_legacy_ids(name, &schema) {
             legacy.push((t, table));
         }
     }

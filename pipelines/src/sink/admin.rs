@@ -7,6 +7,7 @@
 use arrow_schema::Schema;
 use lancedb::Table;
 use steamrf_schemas::TableName;
+use steamrf_schemas::memory::MemoryTable;
 
 use crate::error::{Error, Result};
 
@@ -50,17 +51,17 @@ pub fn pending(name: &str, actual: &Schema) -> Option<String> {
                 .to_owned(),
         );
     }
-    legacy_ids(name, actual).then(|| super::ids::legacy_message(&format!("table {name}")))
+    has_legacy_ids(name, actual).then(|| super::ids::legacy_message(&format!("table {name}")))
 }
 
 /// Whether `actual` is a memory table as an earlier steamrf wrote it, with
 /// 63-bit `Int64` memory ids.
-pub fn legacy_ids(name: &str, actual: &Schema) -> bool {
-    let id = match name {
-        "memories" => "memory_id",
-        "memory_links" => "from_id",
-        "prototypes" => "prototype_id",
-        _ => return false,
+pub fn has_legacy_ids(name: &str, actual: &Schema) -> bool {
+    let id = match MemoryTable::ALL.into_iter().find(|t| t.as_str() == name) {
+        Some(MemoryTable::Memories) => "memory_id",
+        Some(MemoryTable::MemoryLinks) => "from_id",
+        Some(MemoryTable::Prototypes) => "prototype_id",
+        None => return false,
     };
     actual
         .field_with_name(id)
@@ -72,12 +73,8 @@ pub fn legacy_ids(name: &str, actual: &Schema) -> bool {
 /// turn vectors until `steamrf migrate` has run, and without memories or
 /// prototypes while their ids are 63-bit.
 pub async fn warn_if_pending(db: &lancedb::Connection) {
-    for name in [
-        TableName::Interactions.as_str(),
-        "memories",
-        "memory_links",
-        "prototypes",
-    ] {
+    let memory_tables = MemoryTable::ALL.map(MemoryTable::as_str);
+    for name in std::iter::once(TableName::Interactions.as_str()).chain(memory_tables) {
         let Ok(table) = db.open_table(name).execute().await else {
             continue;
         };

@@ -38,17 +38,20 @@ pub fn is_legacy(col: &ArrayRef) -> bool {
     }
 }
 
-/// The memory ids of a `Utf8` column (nulls are an error; see
-/// [`read_opt_ids`]).
+/// The memory ids of a non-nullable `Utf8` column (see [`read_opt_ids`]).
 ///
 /// # Errors
-/// A column of another type (an earlier steamrf's), or a value that is not
-/// 32 hex digits.
+/// A column of another type (an earlier steamrf's), a null, or a value
+/// that is not 32 hex digits.
 pub fn read_ids(col: &ArrayRef, what: &str) -> Result<Vec<MemoryId>> {
-    Ok(read_opt_ids(col, what)?
+    read_opt_ids(col, what)?
         .into_iter()
-        .map(|id| id.unwrap_or_default())
-        .collect())
+        .map(|id| {
+            id.ok_or_else(|| Error::Internal {
+                message: format!("{what}: a null memory id"),
+            })
+        })
+        .collect()
 }
 
 /// The memory ids of a nullable `Utf8` column.

@@ -21,7 +21,7 @@ use steamrf_pipelines::{source, sql};
 
 use super::embedding::turn_rates;
 use super::produce::produce_in_child;
-use super::{reset_peak_rss, rss_bytes};
+use super::{reset_peak_rss, rss_bytes, temp_dir};
 
 /// Events per second, two ways.
 #[derive(Debug, Clone, Copy)]
@@ -205,10 +205,7 @@ pub(super) async fn throughput(
         kcat.steady, kcat.wall
     ));
 
-    let dir = tempfile::tempdir().map_err(|source| Error::Io {
-        context: "temp dir".into(),
-        source,
-    })?;
+    let dir = temp_dir()?;
     let config = bench_config(&b, &topic, dir.path());
     let metrics = Metrics::new(&config.kafka.topics);
     let stop = Arc::new(AtomicBool::new(false));

@@ -12,7 +12,7 @@ use steamrf_pipelines::pipeline::{self, RunOptions};
 
 use super::ingest::{IngestBench, bench_config, commits};
 use super::produce::produce_in_child;
-use super::{reset_peak_rss, rss_bytes};
+use super::{reset_peak_rss, rss_bytes, temp_dir};
 
 /// The `q` quantile of histogram `h`, interpolated linearly within its
 /// bucket as Prometheus' `histogram_quantile` does (NaN when empty,
@@ -48,10 +48,7 @@ pub(super) async fn ingest_latency(
     distinct: u64,
 ) -> Result<Vec<String>> {
     let n = b.events;
-    let dir = tempfile::tempdir().map_err(|source| Error::Io {
-        context: "temp dir".into(),
-        source,
-    })?;
+    let dir = temp_dir()?;
     let config = bench_config(&b, &topic, dir.path());
     let metrics = Metrics::new(&config.kafka.topics);
     let stop = Arc::new(AtomicBool::new(false));
