@@ -294,6 +294,9 @@ enum BenchCmd {
         /// `serve.cache_bytes` (e.g. "256MiB").
         #[arg(long, default_value = "256MiB", value_parser = bytes)]
         cache_bytes: usize,
+        /// Threads that spin in the benchmark's process during the hammer (CPU load on the replica's machine).
+        #[arg(long, default_value_t = 0)]
+        busy_threads: usize,
     },
     /// GFLOP/s of the CPU similarity kernel (top-k included) beside numpy's matmul (OpenBLAS).
     Similarity {
@@ -564,6 +567,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     write_every,
                     requests,
                     cache_bytes,
+                    busy_threads,
                 },
         } => {
             let lines = bench::hammer(bench::HammerBench {
@@ -577,6 +581,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 write_every,
                 requests,
                 cache_bytes,
+                busy_threads,
             })
             .await
             .context("bench hammer")?;

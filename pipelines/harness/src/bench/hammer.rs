@@ -15,7 +15,8 @@
 //!   that matters); `/healthz` is asked every 100 ms; every `write_every` a
 //!   new turn of `u0` is written through the pipeline's sink, so each
 //!   refresh evicts `u0` and the next request reads and builds it again.
-//!   The service's RSS is sampled every 200 ms.
+//!   The service's RSS is sampled every 200 ms. With `busy_threads`, that
+//!   many threads spin in the benchmark's process meanwhile (CPU load).
 //!
 //! The RESULT line: the other users' p50/p99 under the hammer and their
 //! p99 alone (`p99_ratio` between them), their errors (any non-200), `u0`'s
@@ -62,6 +63,10 @@ pub struct HammerBench {
     pub requests: usize,
     /// `serve.cache_bytes`.
     pub cache_bytes: usize,
+    /// Threads that spin in this process while the hammer runs: CPU load
+    /// on the replica's machine, which slows its fills so that more of them
+    /// overlap (RSS went past its budget only under load).
+    pub busy_threads: usize,
 }
 
 const TOPICS: usize = 64;
@@ -187,6 +192,19 @@ pub async fn hammer(b: HammerBench) -> Result<Vec<String>> {
     println!("baseline: {} requests, RSS {rss_before:.0} MiB", b.requests);
 
     let stop = Arc::new(AtomicBool::new(false));
+    let busy: Vec<_> = (0..b.busy_threads)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..100_000 {
+                        x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005) + 1);
+                    }
+                }
+            })
+        })
+        .collect();
     let big = Arc::new(Tally::default());
     let mut tasks = Vec::new();
     for c in 0..b.clients {
@@ -260,6 +278,9 @@ pub async fn hammer(b: HammerBench) -> Result<Vec<String>> {
         hammered.push(ms);
     }
     stop.store(true, Ordering::Relaxed);
+    for t in busy {
+        t.join().map_err(|_| internal("a busy thread panicked"))?;
+    }
     for t in tasks {
         t.await.map_err(internal)?;
     }
@@ -288,8 +309,14 @@ pub async fn hammer(b: HammerBench) -> Result<Vec<String>> {
     let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
     Ok(vec![
         format!(
-            "u0: {} turns of ~{} bytes in sessions of {}; {} clients for {:?}, a new u0 turn every {:?} ({written} written)",
-            b.big_rows, b.turn_bytes, b.session_turns, b.clients, b.duration, b.write_every
+            "u0: {} turns of ~{} bytes in sessions of {}; {} clients for {:?}, a new u0 turn every {:?} ({written} written); {} busy threads",
+            b.big_rows,
+            b.turn_bytes,
+            b.session_turns,
+            b.clients,
+            b.duration,
+            b.write_every,
+            b.busy_threads
         ),
         format!(
             "others: {} requests, p50 {p50:.1} ms, p99 {p99:.1} ms (alone: p99 {baseline_p99:.1} ms); u0: {} ok, {} shed, {} errors; user reads {reads}, joined {joined}",

@@ -439,6 +439,9 @@ pub(super) async fn scan_fragment(
     Ok(out)
 }
 
+/// A fill that read at least this much trims the heap when it is done.
+const TRIM_AFTER_READ: usize = 8 << 20;
+
 impl Loader for Tables {
     fn user<'a>(
         &'a self,
@@ -484,6 +487,20 @@ impl Loader for Tables {
                 };
                 let mut u = build_user(&cfg, &items, &user, rows, mems)?;
                 u.rows_cut = cut;
+                // A large user's batches and the build's scratch are freed
+                // here, on a blocking thread whose arena keeps them: hand
+                // the pages back, as the refresh does after an eviction, so
+                // a user rebuilt on every change leaves no pile of free
+                // memory per thread (issue 44, item 3; `bench hammer`).
+                let read: usize = [&interactions, &turn_vectors, &passages, &memories]
+                    .iter()
+                    .flat_map(|bs| bs.iter())
+                    .map(RecordBatch::get_array_memory_size)
+                    .sum();
+                drop((interactions, turn_vectors, passages, memories));
+                if read >= TRIM_AFTER_READ {
+                    crate::alloc::trim();
+                }
                 Ok(u)
             })
             .await
