@@ -182,6 +182,8 @@ pub struct PassageIndex {
     /// Row → first window (len rows + 1).
     starts: Vec<u32>,
     lexical: Option<Bm25Index>,
+    /// The windows as evidence units ([`units`]), when given.
+    units: Option<Units>,
 }
 
 impl PassageIndex {
@@ -249,7 +251,34 @@ impl PassageIndex {
             owner,
             starts,
             lexical,
+            units: None,
         })
+    }
+
+    /// The index with its windows as evidence units: `units` gives each
+    /// window's turns and (optionally) BM25 over the windows' texts.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `units` has another number of windows.
+    pub fn with_units(mut self, units: Units) -> Result<Self, Error> {
+        let lexical = units.lexical.as_ref().map_or(units.spans.len(), Bm25Index::len);
+        if units.spans.len() != self.windows.len() || lexical != self.windows.len() {
+            return Err(Error::Invalid {
+                field: "passages",
+                reason: format!(
+                    "{} windows but {} unit spans and {lexical} unit texts",
+                    self.windows.len(),
+                    units.spans.len()
+                ),
+            });
+        }
+        self.units = Some(units);
+        Ok(self)
+    }
+
+    /// Whether the windows are indexed as evidence units.
+    pub fn has_units(&self) -> bool {
+        self.units.is_some() && !self.windows.is_empty()
     }
 
     /// Rows.
@@ -303,6 +332,7 @@ impl PassageIndex {
         self.owner.capacity() * 4
             + self.starts.capacity() * 4
             + self.lexical.as_ref().map_or(0, Bm25Index::bytes)
+            + self.units.as_ref().map_or(0, Units::bytes)
     }
 
     /// Row `r`'s dense score for the unit query `q`, and its best window.
@@ -469,3 +499,6 @@ pub fn retrieve_until(
 
 #[cfg(test)]
 mod tests;
+pub mod units;
+
+pub use units::{UnitAnswer, UnitBudget, UnitHit, Units, retrieve_units_until};

@@ -133,6 +133,9 @@ pub struct ServeConfig {
     /// Text of one answered item at most (a session answers with its
     /// matched window).
     pub max_item_bytes: ByteSize,
+    /// Turns one answer hands over at most by default (a request may ask
+    /// for up to `max_k`); `k` counts evidence units.
+    pub max_turns: usize,
     /// Accept `POST /v1/events` and produce them to Kafka.
     pub accept_events: bool,
     /// Where accepted events go (empty: the first of `kafka.topics`).
@@ -1171,6 +1174,12 @@ impl Config {
         }
         if v.max_user_rows == 0 {
             p.push("serve.max_user_rows: must be > 0".to_owned());
+        }
+        if v.max_turns == 0 || v.max_turns > v.max_k {
+            p.push(format!(
+                "serve.max_turns: must be in [1, serve.max_k = {}], got {}",
+                v.max_k, v.max_turns
+            ));
         }
         if v.max_item_bytes.0 < 64 {
             p.push(format!(

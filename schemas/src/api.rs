@@ -156,9 +156,14 @@ pub struct RetrieveRequest {
     /// Or a query embedding.
     #[serde(default)]
     pub query_vector: Option<Vec<f32>>,
-    /// Rows to return (overrides `options.k`).
+    /// Rows to return (overrides `options.k`); with passage windows,
+    /// evidence units.
     #[serde(default)]
     pub k: Option<usize>,
+    /// Turns the answer hands over at most (default: `serve.max_turns`, at
+    /// most `serve.max_k`).
+    #[serde(default)]
+    pub max_turns: Option<usize>,
     /// RF-Mem overrides, by name (`mode`, `alpha`, `tau`, …); the service
     /// checks them against its parameters.
     #[serde(default)]

@@ -167,9 +167,14 @@ struct RetrieveArgs {
     /// What to look for, in natural language: a question or a topic, e.g.
     /// "which jazz albums did she like?".
     query: String,
-    /// How many rows to return at most (default: the server's, usually 10).
+    /// How many results to return at most (default: the server's, usually
+    /// 10): rows, or with dialogue sessions evidence units (a few turns each).
     #[serde(default)]
     k: Option<usize>,
+    /// Dialogue turns to hand back at most, over all results (default: the
+    /// server's, usually 30).
+    #[serde(default)]
+    max_turns: Option<usize>,
     /// How to search; leave it out to let the server decide ("adaptive").
     #[serde(default)]
     mode: Option<RetrieveMode>,
@@ -423,6 +428,7 @@ impl Tools {
                 query: Some(args.query),
                 query_vector: None,
                 k: args.k,
+                max_turns: args.max_turns,
                 options,
                 collaborative: args.collaborative,
             };

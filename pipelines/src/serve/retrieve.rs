@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use axum::extract::{Request, State};
 use axum::response::Response;
 use serde::Serialize;
-use steamrf_operators::passage;
+use steamrf_operators::passage::{self, UnitBudget};
 use steamrf_operators::rfmem::{self, RfMemParams};
 use steamrf_operators::steam::MemoryId;
 use steamrf_operators::steam::retrieve::{self as steam_retrieve, MemoryView, RecommendParams};
@@ -293,6 +293,19 @@ pub(super) async fn retrieve_as(
     req.check(steamrf_schemas::tables::EMBEDDING_DIM)?;
     authorize(st, scope, &req.user_id, "user_id")?;
     let p = params_for(&st.cfg, &req)?;
+    let max_turns = match req.max_turns {
+        None => st.cfg.max_turns,
+        Some(n) if (1..=st.cfg.max_k).contains(&n) => n,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "max_turns",
+                format!(
+                    "must be in [1, {}] (serve.max_k), got {n}",
+                    st.cfg.max_k
+                ),
+            ));
+        }
+    };
     let permit = st.admit()?;
     let gone = Arc::new(AtomicBool::new(false));
     let _gone_on_drop = SetOnDrop(gone.clone());
@@ -317,6 +330,7 @@ pub(super) async fn retrieve_as(
             &q,
             query_text.as_deref(),
             &p,
+            max_turns,
             collaborative,
             embed_time,
             started,
@@ -335,19 +349,37 @@ pub(super) fn answer(
     q: &[f32],
     query_text: Option<&str>,
     p: &RfMemParams,
+    max_turns: usize,
     collaborative: bool,
     embed_time: Duration,
     started: Instant,
     budget: &Budget,
 ) -> Result<RetrieveResponse, ApiError> {
     let corpus = &view.user.corpus.index;
-    let a = passage::retrieve_until(corpus, q, query_text, p, &st.cfg.hybrid, &|| {
-        budget.exhausted()
-    })
-    .map_err(|e| match e {
-        rfmem::Error::Invalid { field, reason } => ApiError::invalid(field, reason),
-        other => ApiError::internal(other.to_string()),
-    })?;
+    let (a, spans) = if corpus.has_units() {
+        let units = UnitBudget {
+            units: p.k,
+            turns: max_turns,
+        };
+        let u = passage::retrieve_units_until(
+            corpus,
+            q,
+            query_text,
+            p,
+            &st.cfg.hybrid,
+            units,
+            &|| budget.exhausted(),
+        )
+        .map_err(api_error)?;
+        let spans: Vec<(u32, u32)> = u.hits.iter().map(|h| (h.start, h.end)).collect();
+        (as_rows(u), spans)
+    } else {
+        let a = passage::retrieve_until(corpus, q, query_text, p, &st.cfg.hybrid, &|| {
+            budget.exhausted()
+        })
+        .map_err(api_error)?;
+        (a, Vec::new())
+    };
     st.metrics
         .observe_answer(a.path, a.rule, a.rounds, a.probe_time, a.path_time);
     if a.truncated {
@@ -362,12 +394,23 @@ pub(super) fn answer(
     let items = a
         .hits
         .iter()
-        .filter_map(|h| {
+        .zip(spans.iter().map(Some).chain(std::iter::repeat(None)))
+        .filter_map(|(h, span)| {
             let e = entries.get(h.row as usize)?;
-            let passage = h.passage.and_then(|w| {
-                let first = corpus.first_window(h.row)?;
-                e.windows.get(w.checked_sub(first)? as usize).cloned()
-            });
+            let passage = match span {
+                // An evidence unit: its turns (merged windows), named by
+                // its last turn.
+                Some(&(start, end)) if end > 0 => Some(cache::Window {
+                    event_id: e.source_event_ids.get(end as usize - 1)?.clone(),
+                    start,
+                    end,
+                }),
+                Some(_) => None,
+                None => h.passage.and_then(|w| {
+                    let first = corpus.first_window(h.row)?;
+                    e.windows.get(w.checked_sub(first)? as usize).cloned()
+                }),
+            };
             let text = e.answer_text(passage.as_ref(), st.cfg.max_item_bytes.0);
             Some(Item {
                 kind: e.kind,
@@ -422,6 +465,43 @@ pub(super) fn answer(
         items,
         collaborative: collab,
     })
+}
+
+fn api_error(e: rfmem::Error) -> ApiError {
+    match e {
+        rfmem::Error::Invalid { field, reason } => ApiError::invalid(field, reason),
+        other => ApiError::internal(other.to_string()),
+    }
+}
+
+/// Evidence units as the rows an answer lists (each unit's span is kept
+/// beside them).
+fn as_rows(u: passage::UnitAnswer) -> passage::HybridAnswer {
+    let d = u.dense;
+    passage::HybridAnswer {
+        hits: u
+            .hits
+            .iter()
+            .map(|h| passage::RowHit {
+                row: h.row,
+                score: h.score,
+                dense: h.dense,
+                lexical: h.lexical,
+                passage: Some(h.window),
+                round: h.round,
+            })
+            .collect(),
+        path: d.path,
+        rule: d.rule,
+        probe: d.probe,
+        rounds: d.rounds,
+        candidates: d.candidates,
+        lexical_only: u.lexical_only,
+        filled: d.filled,
+        probe_time: d.probe_time,
+        path_time: d.path_time,
+        truncated: d.truncated,
+    }
 }
 
 /// STEAM's local-to-global step, limited to the user's tenant and to

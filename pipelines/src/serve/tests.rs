@@ -725,6 +725,7 @@ async fn readiness_waits_for_the_first_snapshot_and_openapi_is_served() {
         [
             "collaborative",
             "k",
+            "max_turns",
             "options",
             "query",
             "query_vector",

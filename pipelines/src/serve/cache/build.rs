@@ -11,7 +11,7 @@ use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
 use steamrf_operators::lexical::{Bm25Index, Bm25Params};
-use steamrf_operators::passage::PassageIndex;
+use steamrf_operators::passage::{PassageIndex, Units};
 use steamrf_operators::rfmem::VectorStore;
 use steamrf_operators::steam::memory::{Memory, UserMemories};
 use steamrf_schemas::tables::EMBEDDING_DIM;
@@ -295,34 +295,55 @@ pub fn build_user(
     // were written) is its own one window; `Entry::windows` stays empty, so
     // no passage is named for it.
     let any_windows = rows.iter().any(|r| !r.windows.is_empty());
+    // With windows, each is an evidence unit: its turns in its row, and its
+    // text for BM25 (a row that is its own window: the whole row).
+    let mut spans: Vec<(u32, u32)> = Vec::new();
+    let mut unit_texts: Vec<String> = Vec::new();
+    let lexical_on = cfg.hybrid.lexical_weight > 0.0;
     for (i, r) in rows.into_iter().enumerate() {
         flat.extend_from_slice(&r.vector);
         if any_windows && r.windows.is_empty() {
             window_flat.extend_from_slice(&r.vector);
             owner.push(i as u32);
+            spans.push((0, 0));
+            if lexical_on {
+                unit_texts.push(r.entry.content.clone());
+            }
         }
-        for w in &r.windows {
-            window_flat.extend_from_slice(w);
+        for (w, v) in r.entry.windows.iter().zip(&r.windows) {
+            window_flat.extend_from_slice(v);
             owner.push(i as u32);
+            spans.push((w.start, w.end));
+            if lexical_on {
+                unit_texts.push(r.entry.turns_text(w.start as usize, w.end as usize).to_owned());
+            }
         }
         entries.push(r.entry);
     }
     // Row and window vectors both stay in memory (the index's own
     // `bytes()` leaves its stores to the caller).
     let vector_bytes = (flat.len() + window_flat.len()) * 4;
-    let lexical = (cfg.hybrid.lexical_weight > 0.0).then(|| {
+    // BM25 over the rows when they are the units, else over the windows.
+    let lexical = (lexical_on && !any_windows).then(|| {
         Bm25Index::new(
             entries.iter().map(|e| e.content.as_str()),
             Bm25Params::default(),
         )
     });
-    let index = PassageIndex::new(
+    let mut index = PassageIndex::new(
         vector_store(cfg, flat, cfg.ivf_min_rows)?,
         vector_store(cfg, window_flat, cfg.ivf_min_windows)?,
         owner,
         lexical,
     )
     .map_err(internal)?;
+    if any_windows {
+        let lexical = lexical_on.then(|| Bm25Index::new(&unit_texts, Bm25Params::default()));
+        drop(unit_texts);
+        index = index
+            .with_units(Units::new(spans, lexical))
+            .map_err(internal)?;
+    }
     history.sort_by_key(|h| h.0);
     let history: Vec<String> = history.into_iter().map(|h| h.1.to_owned()).collect();
     let bytes = size_of::<UserData>()

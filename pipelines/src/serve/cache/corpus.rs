@@ -73,6 +73,22 @@ pub struct Window {
 }
 
 impl Entry {
+    /// The text of turns `from..to` of a session (the whole content for a
+    /// row without turns, or offsets it does not hold).
+    pub fn turns_text(&self, from: usize, to: usize) -> &str {
+        let n = self.turn_ends.len();
+        if n == 0 || from >= to || to > n {
+            return &self.content;
+        }
+        let lo = match from.checked_sub(1) {
+            None => 0,
+            Some(prev) => self.turn_ends[prev] as usize + 1,
+        };
+        self.content
+            .get(lo..self.turn_ends[to - 1] as usize)
+            .unwrap_or(&self.content)
+    }
+
     /// What an answer hands over for this row: the turns of `window` for
     /// a session hit through one, else the whole content; either cut to at
     /// most `max` bytes at a character boundary.

@@ -74,7 +74,7 @@ fn load(group_sessions: bool) -> (UserData, HashMap<String, ItemInfo>) {
 
 #[test]
 fn sessions_carry_their_passage_windows_by_turn_offsets() {
-    use steamrf_operators::passage::{HybridParams, retrieve_until};
+    use steamrf_operators::passage::{HybridParams, UnitBudget, retrieve_units_until, retrieve_until};
     use steamrf_operators::rfmem::{Mode, RfMemParams};
     // The default view: sessions with their windows, and interactions.
     let cfg = Config::load_with_env(None, []).unwrap().serve;
@@ -171,13 +171,19 @@ fn sessions_carry_their_passage_windows_by_turn_offsets() {
     )
     .unwrap();
     assert_eq!(a.hits[0].row as usize, s2, "{a:?}");
-    // And the lexical side reads the contents.
-    let a = retrieve_until(
+    // And the lexical side reads the windows' texts (a row without windows:
+    // its content), as evidence units.
+    let budget = UnitBudget {
+        units: 3,
+        turns: 30,
+    };
+    let a = retrieve_units_until(
         &c.index,
         &axis(9),
         Some("cat Miles"),
         &p,
         &HybridParams::default(),
+        budget,
         &|| false,
     )
     .unwrap();
