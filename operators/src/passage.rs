@@ -261,7 +261,10 @@ impl PassageIndex {
     /// # Errors
     /// [`Error::Invalid`] when `units` has another number of windows.
     pub fn with_units(mut self, units: Units) -> Result<Self, Error> {
-        let lexical = units.lexical.as_ref().map_or(units.spans.len(), Bm25Index::len);
+        let lexical = units
+            .lexical
+            .as_ref()
+            .map_or(units.spans.len(), Bm25Index::len);
         if units.spans.len() != self.windows.len() || lexical != self.windows.len() {
             return Err(Error::Invalid {
                 field: "passages",
@@ -501,4 +504,4 @@ pub fn retrieve_until(
 mod tests;
 pub mod units;
 
-pub use units::{UnitAnswer, UnitBudget, UnitHit, Units, retrieve_units_until};
+pub use units::{UnitAnswer, UnitBudget, UnitHit, UnitParams, Units, retrieve_units_until};

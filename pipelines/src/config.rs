@@ -149,6 +149,8 @@ pub struct ServeConfig {
     pub rfmem: steamrf_operators::rfmem::RfMemParams,
     /// How window, whole-row and lexical scores combine (`[serve.hybrid]`).
     pub hybrid: steamrf_operators::passage::HybridParams,
+    /// The same, for windows ranked as evidence units (`[serve.units]`).
+    pub units: steamrf_operators::passage::UnitParams,
     /// How `/v1/recommend` ranks (`[serve.ranker]`).
     pub ranker: RankerConfig,
 }
@@ -1236,6 +1238,9 @@ impl Config {
                 "serve.rfmem.{}",
                 e.to_string().trim_start_matches("options.")
             ));
+        }
+        if let Err(e) = v.units.validate() {
+            p.push(format!("serve.{e}"));
         }
         if let Err(e) = v.hybrid.validate() {
             p.push(format!("serve.{e}"));

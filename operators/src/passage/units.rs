@@ -13,18 +13,23 @@
 //!   else.
 //! - **Score**: each candidate window's dense score is `mix · cos(window) +
 //!   (1 − mix) · cos(its row)`, its lexical score its BM25 over the query's
-//!   ceiling (0–1), fused as rows are: `dense + lexical_weight · lexical`.
+//!   ceiling (0–1), fused as rows are: `dense + lexical_weight · lexical`,
+//!   with their own weights ([`UnitParams`]).
 //! - **Units under a budget**: windows are taken best first; one that
 //!   overlaps or touches a unit already taken from the same row is merged
 //!   into it (the unit keeps its best score), else it starts a new unit.
-//!   Taking stops at `k` units or `max_turns` turns, whichever comes first;
-//!   the last window is cut to the turns left, keeping the turn it ends at.
+//!   Units that grow into each other become one. Taking stops at `k` units
+//!   or `max_turns` turns, whichever comes first; a new unit is cut to the
+//!   turns left, keeping the turn its window ends at, and a merge that would
+//!   pass the budget is skipped.
 //!   Several units may come from one session when they earn it.
 //!
 //! A row with no turns of its own (a memory, a click, a single turn, a
 //! session written before windows existed) is one unit of one turn.
 
 use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
 
 use super::{HybridParams, PassageIndex};
 use crate::embed::normalize;
@@ -53,6 +58,64 @@ impl Units {
     /// Approximate heap bytes held.
     pub fn bytes(&self) -> usize {
         self.spans.capacity() * 8 + self.lexical.as_ref().map_or(0, Bm25Index::bytes)
+    }
+}
+
+/// How evidence units are scored (`[serve.units]`): the fields of
+/// [`HybridParams`], applied to windows instead of rows. Windows are short,
+/// so their BM25 over its ceiling runs lower than a whole session's, and
+/// the lexical side gets a larger weight than rows do (fitted on LoCoMo's
+/// development half: docs/results.md).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UnitParams {
+    /// Weight of the window's cosine against its row's (1: the window only).
+    pub mix: f32,
+    /// Weight of the window's BM25 (over its ceiling) against the dense
+    /// score.
+    pub lexical_weight: f32,
+    /// Windows fetched from each side per unit asked for.
+    pub expand: usize,
+}
+
+impl Default for UnitParams {
+    fn default() -> Self {
+        Self {
+            mix: 0.75,
+            lexical_weight: 1.0,
+            expand: 4,
+        }
+    }
+}
+
+impl UnitParams {
+    /// As [`HybridParams`] (the fields that apply).
+    pub fn hybrid(&self) -> HybridParams {
+        HybridParams {
+            mix: self.mix,
+            lexical_weight: self.lexical_weight,
+            expand: self.expand,
+            lexical_candidates: 0,
+        }
+    }
+
+    /// Checks the parameters, naming the first bad one as `units.<name>`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`].
+    pub fn validate(&self) -> Result<(), Error> {
+        self.hybrid().validate().map_err(|e| match e {
+            Error::Invalid { field, reason } => Error::Invalid {
+                field: match field {
+                    "hybrid.mix" => "units.mix",
+                    "hybrid.lexical_weight" => "units.lexical_weight",
+                    "hybrid.expand" => "units.expand",
+                    other => other,
+                },
+                reason,
+            },
+            other => other,
+        })
     }
 }
 
@@ -120,11 +183,12 @@ pub fn retrieve_units_until(
     query: &[f32],
     query_text: Option<&str>,
     p: &RfMemParams,
-    h: &HybridParams,
+    u: &UnitParams,
     budget: UnitBudget,
     stop: &dyn Fn() -> bool,
 ) -> Result<UnitAnswer, Error> {
-    h.validate()?;
+    u.validate()?;
+    let h = &u.hybrid();
     p.validate()?;
     rfmem::check_query(query, index.rows.dim())?;
     let Some(units) = index.units.as_ref().filter(|_| !index.windows.is_empty()) else {
@@ -157,11 +221,7 @@ pub fn retrieve_units_until(
         let max = ix.max_score(text);
         if max > 0.0 {
             s.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            let take = if h.lexical_candidates == 0 {
-                wide.k
-            } else {
-                h.lexical_candidates
-            };
+            let take = wide.k;
             for (i, &(w, score)) in s.iter().enumerate() {
                 lexical.insert(w, score / max);
                 if i < take && seen.insert(w) {
@@ -219,45 +279,147 @@ fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
             out.push(w);
             continue;
         }
-        let touching = out
-            .iter_mut()
-            .find(|u| u.row == w.row && u.end > 0 && w.start <= u.end && u.start <= w.end);
-        match touching {
-            Some(u) => {
-                // Turns this window adds on either side of the unit.
-                let before = u.start.saturating_sub(w.start) as usize;
-                let after = w.end.saturating_sub(u.end) as usize;
-                if before + after == 0 {
-                    continue;
-                }
-                // Past the budget, the side nearer the window's end (the turn
-                // it was formed for) is kept first.
-                let after_kept = after.min(left);
-                let before_kept = before.min(left - after_kept);
-                u.end += after_kept as u32;
-                u.start -= before_kept as u32;
-                turns += after_kept + before_kept;
+        // Every unit of the row this window overlaps or touches: merged
+        // with it into one (at the place and score of the best).
+        let touching: Vec<usize> = (0..out.len())
+            .filter(|&i| {
+                let u = &out[i];
+                u.row == w.row && u.end > 0 && w.start <= u.end && u.start <= w.end
+            })
+            .collect();
+        if let Some(&first) = touching.first() {
+            let held: usize = touching.iter().map(|&i| out[i].turns()).sum();
+            let lo = touching
+                .iter()
+                .map(|&i| out[i].start)
+                .fold(w.start, u32::min);
+            let hi = touching.iter().map(|&i| out[i].end).fold(w.end, u32::max);
+            let added = (hi - lo) as usize - held;
+            if added == 0 && touching.len() == 1 {
+                continue;
             }
-            None => {
-                if out.len() >= budget.units {
-                    continue;
-                }
-                let n = (w.end - w.start) as usize;
-                let kept = n.min(left) as u32;
-                turns += kept as usize;
-                out.push(UnitHit {
-                    start: w.end - kept,
-                    ..w
-                });
+            if added > left {
+                // Merging would pass the budget: a later, smaller window
+                // may still fit.
+                continue;
             }
+            out[first].start = lo;
+            out[first].end = hi;
+            for &i in touching[1..].iter().rev() {
+                out.remove(i);
+            }
+            turns += added;
+            continue;
         }
+        if out.len() >= budget.units {
+            continue;
+        }
+        let n = (w.end - w.start) as usize;
+        let kept = n.min(left) as u32;
+        turns += kept as usize;
+        out.push(UnitHit {
+            start: w.end - kept,
+            ..w
+        });
     }
     out
 }
 
 #[cfg(test)]
 mod tests {
+    use steamrf_kernels::Corpus;
+    use steamrf_kernels::cpu::CpuKernel;
+
     use super::*;
+    use crate::lexical::Bm25Params;
+    use crate::rfmem::{Mode, VectorStore};
+
+    fn store(rows: &[[f32; 4]]) -> VectorStore {
+        let mut flat = Vec::new();
+        for r in rows {
+            let mut v = r.to_vec();
+            normalize(&mut v);
+            flat.extend(v);
+        }
+        VectorStore::flat(Corpus::from_vec(flat, 4).unwrap(), CpuKernel::default())
+    }
+
+    /// Row 0: a session of 12 turns with windows ending at turns 2, 3, 11
+    /// and 7; row 1: a memory, its own window. The query points along windows
+    /// 0 and 1 (overlapping: one unit); window 3 holds the rare name the
+    /// query text asks for, though its vector points elsewhere.
+    fn index() -> PassageIndex {
+        let rows = store(&[[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]);
+        let windows = store(&[
+            [1.0, 0.0, 0.0, 0.0],
+            [0.9, 0.1, 0.0, 0.0],
+            [0.0, 1.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 1.0],
+            [0.0, 0.0, 1.0, 0.0],
+        ]);
+        let texts = [
+            "we talked about the weather",
+            "the weather again",
+            "football results",
+            "Coltrane recorded Blue Train",
+            "likes jazz",
+        ];
+        PassageIndex::new(rows, windows, vec![0, 0, 0, 0, 1], None)
+            .unwrap()
+            .with_units(Units::new(
+                vec![(0, 3), (1, 4), (9, 12), (5, 8), (0, 0)],
+                Some(Bm25Index::new(texts, Bm25Params::default())),
+            ))
+            .unwrap()
+    }
+
+    #[test]
+    fn windows_are_ranked_merged_and_found_by_their_own_words() {
+        let ix = index();
+        let p = RfMemParams {
+            mode: Mode::Familiarity,
+            k: 3,
+            ..RfMemParams::default()
+        };
+        let u = UnitParams {
+            mix: 1.0,
+            lexical_weight: 1.0,
+            expand: 4,
+        };
+        let budget = UnitBudget {
+            units: 3,
+            turns: 30,
+        };
+        let q = [1.0, 0.0, 0.0, 0.0];
+        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &u, budget, &|| false).unwrap();
+        let spans: Vec<(u32, u32, u32)> = a.hits.iter().map(|h| (h.row, h.start, h.end)).collect();
+        // Windows 0 and 1 merge into turns 0..4; window 3 (the name) is a
+        // second unit of the same session, 5..8, though its vector is far.
+        assert_eq!(spans[0], (0, 0, 4), "{a:?}");
+        assert_eq!(spans[1], (0, 5, 8), "{a:?}");
+        assert_eq!(a.hits[1].window, 3);
+        assert!(
+            a.hits
+                .iter()
+                .all(|h| h.score >= a.hits.last().unwrap().score)
+        );
+        // Dense only, the name is not found first.
+        let dense = UnitParams {
+            lexical_weight: 0.0,
+            ..u
+        };
+        let a =
+            retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &dense, budget, &|| false).unwrap();
+        assert_eq!(a.lexical_only, 0);
+        // The turn budget holds whatever k is.
+        let tight = UnitBudget { units: 3, turns: 2 };
+        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &u, tight, &|| false).unwrap();
+        assert_eq!(a.hits.iter().map(UnitHit::turns).sum::<usize>(), 2, "{a:?}");
+        // An index without units is refused, not answered wrongly.
+        let bare =
+            PassageIndex::new(store(&[[1.0, 0.0, 0.0, 0.0]]), store(&[]), vec![], None).unwrap();
+        assert!(retrieve_units_until(&bare, &q, None, &p, &u, budget, &|| false).is_err());
+    }
 
     fn w(row: u32, start: u32, end: u32, score: f32) -> UnitHit {
         UnitHit {

@@ -158,6 +158,21 @@ enum EvalCmd {
         #[arg(short, long, env = "STEAMRF_CONFIG")]
         config: Option<PathBuf>,
     },
+    /// LoCoMo through the served path (Kafka, `run`, `serve`, HTTP): recall of the evidence turns within 5/10/30 turns handed to the agent, per category, beside BM25 over 3-turn windows.
+    Locomo {
+        /// The directory holding locomo-<split>.json (or the file).
+        #[arg(long)]
+        data: PathBuf,
+        /// The split's name in the RESULT line.
+        #[arg(long, default_value = "dev")]
+        split: String,
+        /// Also serve the same tables with these [serve.units] settings ("mix=0.5,lexical_weight=0.3"; repeatable): the development sweep, one row each.
+        #[arg(long = "units")]
+        sweep: Vec<String>,
+        /// Configuration (the defaults unless given); the topic, group and tables are the run's own.
+        #[arg(short, long, env = "STEAMRF_CONFIG")]
+        config: Option<PathBuf>,
+    },
     /// RF-Mem on PersonaBench with the official protocol: Recall@5/10 and NDCG for familiarity, recollection and RF-Mem, by question type, with α and τ swept.
     Rfmem {
         /// PersonaBench data (the directory holding eval_data_v1, or it).
@@ -669,6 +684,26 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
             })
             .await
             .context("eval steam")?;
+            Ok(print_lines(&lines))
+        }
+        Cmd::Eval {
+            which:
+                EvalCmd::Locomo {
+                    data,
+                    split,
+                    sweep,
+                    config,
+                },
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let lines = steamrf_harness::eval::locomo(steamrf_harness::eval::LocomoEval {
+                data,
+                split,
+                config,
+                sweep,
+            })
+            .await
+            .context("eval locomo")?;
             Ok(print_lines(&lines))
         }
         Cmd::Eval {

@@ -295,16 +295,17 @@ pub(super) async fn retrieve_as(
     let p = params_for(&st.cfg, &req)?;
     let max_turns = match req.max_turns {
         None => st.cfg.max_turns,
-        Some(n) if (1..=st.cfg.max_k).contains(&n) => n,
-        Some(n) => {
+        Some(0) => return Err(ApiError::invalid("max_turns", "must be at least 1")),
+        Some(n) if n > st.cfg.max_k => {
             return Err(ApiError::invalid(
                 "max_turns",
                 format!(
-                    "must be in [1, {}] (serve.max_k), got {n}",
+                    "{n} is over this server's limit of {} (serve.max_k)",
                     st.cfg.max_k
                 ),
             ));
         }
+        Some(n) => n,
     };
     let permit = st.admit()?;
     let gone = Arc::new(AtomicBool::new(false));
@@ -361,16 +362,11 @@ pub(super) fn answer(
             units: p.k,
             turns: max_turns,
         };
-        let u = passage::retrieve_units_until(
-            corpus,
-            q,
-            query_text,
-            p,
-            &st.cfg.hybrid,
-            units,
-            &|| budget.exhausted(),
-        )
-        .map_err(api_error)?;
+        let u =
+            passage::retrieve_units_until(corpus, q, query_text, p, &st.cfg.units, units, &|| {
+                budget.exhausted()
+            })
+            .map_err(api_error)?;
         let spans: Vec<(u32, u32)> = u.hits.iter().map(|h| (h.start, h.end)).collect();
         (as_rows(u), spans)
     } else {

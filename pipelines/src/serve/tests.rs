@@ -786,6 +786,16 @@ async fn options_may_not_ask_for_more_work_than_the_server_allows() {
         let message = v["error"]["message"].as_str().unwrap();
         assert!(message.contains(&format!("limit of {limit}")), "{message}");
     }
+    for (turns, message) in [(1001, "limit of 1000"), (0, "at least 1")] {
+        let body = json!({"user_id": "acme:ann", "query_vector": q, "max_turns": turns});
+        let (status, v) = post(&base, "/v1/retrieve", None, &body.to_string()).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["field"], "max_turns", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(message),
+            "{v}"
+        );
+    }
     // Less work than configured is fine.
     let (status, v) = post(
         &base,

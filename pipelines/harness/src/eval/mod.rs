@@ -3,6 +3,7 @@
 //! `RESULT key=value …` line and writes a markdown table to `--out`.
 
 mod datasets;
+mod locomo;
 mod passages;
 mod plot;
 pub mod pyjson;
@@ -14,6 +15,7 @@ mod task;
 
 use std::path::{Path, PathBuf};
 
+pub use locomo::{LocomoEval, locomo};
 pub use rfmem::{RfMemEval, rfmem};
 use steamrf_pipelines::error::{Error, Result};
 pub use task::{Geometry, Scoring, SteamEval};

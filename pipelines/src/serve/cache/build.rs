@@ -299,7 +299,7 @@ pub fn build_user(
     // text for BM25 (a row that is its own window: the whole row).
     let mut spans: Vec<(u32, u32)> = Vec::new();
     let mut unit_texts: Vec<String> = Vec::new();
-    let lexical_on = cfg.hybrid.lexical_weight > 0.0;
+    let lexical_on = cfg.units.lexical_weight > 0.0;
     for (i, r) in rows.into_iter().enumerate() {
         flat.extend_from_slice(&r.vector);
         if any_windows && r.windows.is_empty() {
@@ -315,7 +315,11 @@ pub fn build_user(
             owner.push(i as u32);
             spans.push((w.start, w.end));
             if lexical_on {
-                unit_texts.push(r.entry.turns_text(w.start as usize, w.end as usize).to_owned());
+                unit_texts.push(
+                    r.entry
+                        .turns_text(w.start as usize, w.end as usize)
+                        .to_owned(),
+                );
             }
         }
         entries.push(r.entry);
@@ -324,7 +328,7 @@ pub fn build_user(
     // `bytes()` leaves its stores to the caller).
     let vector_bytes = (flat.len() + window_flat.len()) * 4;
     // BM25 over the rows when they are the units, else over the windows.
-    let lexical = (lexical_on && !any_windows).then(|| {
+    let lexical = (cfg.hybrid.lexical_weight > 0.0 && !any_windows).then(|| {
         Bm25Index::new(
             entries.iter().map(|e| e.content.as_str()),
             Bm25Params::default(),

@@ -74,7 +74,9 @@ fn load(group_sessions: bool) -> (UserData, HashMap<String, ItemInfo>) {
 
 #[test]
 fn sessions_carry_their_passage_windows_by_turn_offsets() {
-    use steamrf_operators::passage::{HybridParams, UnitBudget, retrieve_units_until, retrieve_until};
+    use steamrf_operators::passage::{
+        HybridParams, UnitBudget, UnitParams, retrieve_units_until, retrieve_until,
+    };
     use steamrf_operators::rfmem::{Mode, RfMemParams};
     // The default view: sessions with their windows, and interactions.
     let cfg = Config::load_with_env(None, []).unwrap().serve;
@@ -182,7 +184,7 @@ fn sessions_carry_their_passage_windows_by_turn_offsets() {
         &axis(9),
         Some("cat Miles"),
         &p,
-        &HybridParams::default(),
+        &UnitParams::default(),
         budget,
         &|| false,
     )
