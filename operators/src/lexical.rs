@@ -118,6 +118,32 @@ impl Bm25Index {
         acc.into_iter().collect()
     }
 
+    /// The BM25 score of every document for `query`, by document (0 for
+    /// those sharing no term): the same sums as [`Self::scores`], added into
+    /// a dense vector instead of a map, which is several times cheaper when
+    /// a query term is common (its posting list long).
+    pub fn dense_scores(&self, query: &str) -> Vec<f32> {
+        let mut q: HashMap<String, f32> = HashMap::new();
+        for t in terms(query) {
+            *q.entry(t).or_insert(0.0) += 1.0;
+        }
+        let Bm25Params { k1, b } = self.params;
+        let avg = self.avg_len.max(1.0);
+        let mut acc = vec![0.0f32; self.lens.len()];
+        for (t, times) in &q {
+            let Some(list) = self.postings.get(t.as_str()) else {
+                continue;
+            };
+            let idf = self.idf(list.len());
+            for &(d, tf) in list {
+                let tf = tf as f32;
+                let norm = k1 * (1.0 - b + b * self.lens[d as usize] as f32 / avg);
+                acc[d as usize] += times * idf * tf * (k1 + 1.0) / (tf + norm);
+            }
+        }
+        acc
+    }
+
     /// The most any document could score for `query`: each query term the
     /// index holds at its saturated weight, `idf · (k1 + 1)` per occurrence
     /// in the query. A score divided by it is in [0, 1] and absolute: a row
@@ -151,6 +177,25 @@ mod tests {
             out[d as usize] = s;
         }
         out
+    }
+
+    #[test]
+    fn dense_scores_are_the_same_sums_by_document() {
+        let ix = Bm25Index::new(
+            ["the cat sat", "the dog", "a cat and a cat", "nothing here"],
+            Bm25Params::default(),
+        );
+        for q in ["cat", "the cat the", "zebra", ""] {
+            let dense = ix.dense_scores(q);
+            assert_eq!(dense.len(), 4);
+            let mut want = vec![0.0f32; 4];
+            for (d, s) in ix.scores(q) {
+                want[d as usize] = s;
+            }
+            for (a, b) in dense.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-6, "{q:?}: {dense:?} vs {want:?}");
+            }
+        }
     }
 
     #[test]

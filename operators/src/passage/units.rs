@@ -27,7 +27,7 @@
 //! A row with no turns of its own (a memory, a click, a single turn, a
 //! session written before windows existed) is one unit of one turn.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
@@ -212,19 +212,29 @@ pub fn retrieve_units_until(
         }
     }
     dense.hits.clear();
-    let mut lexical: HashMap<u32, f32> = HashMap::new();
+    // Every window's BM25 over the query's ceiling (a dense vector: cheap
+    // to fill and to look up), and its top windows as candidates.
+    let mut lexical: Vec<f32> = Vec::new();
     let mut lexical_only = 0;
     if h.lexical_weight > 0.0
         && let (Some(ix), Some(text)) = (&units.lexical, query_text)
     {
-        let mut s = ix.scores(text);
         let max = ix.max_score(text);
         if max > 0.0 {
-            s.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            let take = wide.k;
-            for (i, &(w, score)) in s.iter().enumerate() {
-                lexical.insert(w, score / max);
-                if i < take && seen.insert(w) {
+            lexical = ix.dense_scores(text);
+            lexical.iter_mut().for_each(|s| *s /= max);
+            let l = &lexical;
+            let order = |a: &u32, b: &u32| l[*b as usize].total_cmp(&l[*a as usize]).then(a.cmp(b));
+            let mut top: Vec<u32> = (0..l.len() as u32)
+                .filter(|&w| l[w as usize] > 0.0)
+                .collect();
+            if top.len() > wide.k {
+                top.select_nth_unstable_by(wide.k - 1, order);
+                top.truncate(wide.k);
+            }
+            top.sort_by(order);
+            for w in top {
+                if seen.insert(w) {
                     candidates.push((w, 0));
                     lexical_only += 1;
                 }
@@ -238,7 +248,7 @@ pub fn retrieve_units_until(
             let cos = dot(&q, index.windows.vector(w as usize));
             let whole = dot(&q, index.rows.vector(row as usize));
             let d = h.mix * cos + (1.0 - h.mix) * whole;
-            let lex = lexical.get(&w).copied().unwrap_or(0.0);
+            let lex = lexical.get(w as usize).copied().unwrap_or(0.0);
             let (start, end) = units.spans.get(w as usize).copied().unwrap_or((0, 0));
             UnitHit {
                 row,

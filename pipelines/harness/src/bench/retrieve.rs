@@ -253,7 +253,8 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
 /// windows per row (near the row's vector), BM25 over a synthetic text per
 /// row (60 words from a Zipf-like vocabulary of 5,000; queries of 6 words,
 /// half of them from a row's text), and the service's default
-/// `[serve.rfmem]` and `[serve.hybrid]`: (p50 ms, p99 ms, what ran).
+/// `[serve.rfmem]`, `[serve.units]` and `serve.max_turns`, the windows
+/// ranked as evidence units as the service does: (p50 ms, p99 ms, what ran).
 fn hybrid(
     rows: &[f32],
     dim: usize,
@@ -263,7 +264,7 @@ fn hybrid(
 ) -> Result<Hybrid> {
     use rand::{Rng, SeedableRng};
     use steamrf_operators::lexical::{Bm25Index, Bm25Params};
-    use steamrf_operators::passage::{self, PassageIndex};
+    use steamrf_operators::passage::{self, PassageIndex, UnitBudget, Units};
 
     let n = rows.len() / dim;
     let cfg = steamrf_pipelines::config::Config::load(None)?.serve;
@@ -290,15 +291,36 @@ fn hybrid(
             owner.push(i as u32);
         }
     }
-    let lexical = || Some(Bm25Index::new(&texts, Bm25Params::default()));
+    // As served: the windows are the evidence units, each with a third of
+    // its row's words and the turns of a 3-turn window.
+    let (mut spans, mut window_texts) = (Vec::new(), Vec::new());
+    for t in &texts {
+        let words: Vec<&str> = t.split(' ').collect();
+        for j in 0..windows {
+            spans.push(((j as u32).saturating_sub(2), j as u32 + 1));
+            window_texts.push(
+                (0..20)
+                    .map(|w| words[(j * 20 + w) % words.len()])
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
+        }
+    }
+    let units = || {
+        Units::new(
+            spans.clone(),
+            Some(Bm25Index::new(&window_texts, Bm25Params::default())),
+        )
+    };
     // As served: exact or IVF by `serve.ivf_min_rows` / `serve.ivf_min_windows`.
     let t = Instant::now();
     let index = PassageIndex::new(
         vector_store(&cfg, rows.to_vec(), cfg.ivf_min_rows)?,
         vector_store(&cfg, flat.clone(), cfg.ivf_min_windows)?,
         owner.clone(),
-        lexical(),
+        None,
     )
+    .and_then(|ix| ix.with_units(units()))
     .map_err(internal)?;
     let built = t.elapsed();
     // The exact reference: both stores scanned flat.
@@ -306,9 +328,14 @@ fn hybrid(
         vector_store(&cfg, rows.to_vec(), usize::MAX)?,
         vector_store(&cfg, flat, usize::MAX)?,
         owner,
-        lexical(),
+        None,
     )
+    .and_then(|ix| ix.with_units(units()))
     .map_err(internal)?;
+    let budget = UnitBudget {
+        units: cfg.rfmem.k,
+        turns: cfg.max_turns,
+    };
     let qtext: Vec<String> = (0..queries.len())
         .map(|i| {
             if i % 2 == 0 {
@@ -323,12 +350,13 @@ fn hybrid(
         })
         .collect();
     let run = |index: &PassageIndex, i: usize| {
-        passage::retrieve_until(
+        passage::retrieve_units_until(
             index,
             &queries[i],
             Some(&qtext[i]),
             &cfg.rfmem,
-            &cfg.hybrid,
+            &cfg.units,
+            budget,
             &|| false,
         )
         .map_err(internal)
@@ -344,7 +372,7 @@ fn hybrid(
             let t = Instant::now();
             let a = run(index, i)?;
             ms.push(t.elapsed().as_secs_f64() * 1e3);
-            recollected += usize::from(a.path == rfmem::Path::Recollection);
+            recollected += usize::from(a.dense.path == rfmem::Path::Recollection);
             found.push(a.hits.iter().map(|h| h.row).collect());
         }
         ms.sort_by(f64::total_cmp);
@@ -378,7 +406,7 @@ fn hybrid(
         recall: recall(0),
         recall_unfamiliar: recall(1),
         note: format!(
-            "{n} rows, {} windows, BM25 over 60-word texts, index built in {:.0} ms; {recollected} of {} recollected",
+            "{n} rows, {} windows as evidence units, BM25 over their 20-word texts, index built in {:.0} ms; {recollected} of {} recollected",
             index.windows(),
             built.as_secs_f64() * 1e3,
             queries.len()
