@@ -176,3 +176,104 @@ fn eval_steam_fit_only_scores_the_validation_split_and_the_neighbours_term_helps
         "δ = 10: {text}\nδ = 0: {text0}"
     );
 }
+
+/// A LoCoMo-shaped file: two conversations of three sessions of 12 turns
+/// (filler about the weather and work), one fact per conversation planted in
+/// one turn, a question for each, and an adversarial (category 5) question
+/// the protocol leaves out.
+fn write_locomo(path: &Path) {
+    let mut convs = Vec::new();
+    for (c, (name, fact, question)) in [
+        (
+            "Melanie",
+            "Melanie: I finally visited Zanzibar last week, the spice market was amazing",
+            "When did Melanie visit Zanzibar?",
+        ),
+        (
+            "Caroline",
+            "Caroline: I started learning the bassoon at the community orchestra",
+            "Which instrument is Caroline learning?",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut conv = serde_json::Map::new();
+        conv.insert("speaker_a".into(), name.into());
+        conv.insert("speaker_b".into(), "Jon".into());
+        let mut evidence = String::new();
+        for s in 1..=3 {
+            conv.insert(
+                format!("session_{s}_date_time"),
+                format!("{s}:15 pm on {} May, 2023", 2 + s).into(),
+            );
+            let turns: Vec<serde_json::Value> = (1..=12)
+                .map(|t| {
+                    let dia = format!("D{s}:{t}");
+                    let text = if s == 2 && t == 7 {
+                        evidence.clone_from(&dia);
+                        fact.splitn(2, ": ").nth(1).unwrap().to_owned()
+                    } else if t % 2 == 1 {
+                        format!("The weather was grey again on day {t}, and work was busy.")
+                    } else {
+                        format!("Same here, meetings all day {t}; the rain never stops.")
+                    };
+                    let speaker = if t % 2 == 1 { name } else { "Jon" };
+                    serde_json::json!({"speaker": speaker, "dia_id": dia, "text": text})
+                })
+                .collect();
+            conv.insert(format!("session_{s}"), turns.into());
+        }
+        convs.push(serde_json::json!({
+            "sample_id": format!("conv-{c}"),
+            "conversation": conv,
+            "qa": [
+                {"question": question, "answer": "x", "evidence": [evidence], "category": 4},
+                {"question": "What did Jon say about Mars?", "adversarial_answer": "x", "category": 5}
+            ]
+        }));
+    }
+    std::fs::write(path, serde_json::to_string(&convs).unwrap()).unwrap();
+}
+
+/// `steamrf eval locomo` end to end on a fixture: events through the real
+/// broker, the pipeline and the service; the protocol's counting (category
+/// 5 left out, answers cut at the turn budget); the planted facts found
+/// within 10 turns by both steamrf and the BM25 baseline.
+#[test]
+fn eval_locomo_scores_the_turns_the_service_hands_over() {
+    let dir = tempfile::tempdir().unwrap();
+    write_locomo(&dir.path().join("locomo-test.json"));
+    let config = dir.path().join("eval.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[kafka]\nbrokers = \"{}\"\n[embed]\nmodel_dir = {:?}\n",
+            brokers(),
+            model_dir().display().to_string()
+        ),
+    )
+    .unwrap();
+    let (text, r) = steamrf_result([
+        "eval".as_ref(),
+        "locomo".as_ref(),
+        "--data".as_ref(),
+        dir.path().as_os_str(),
+        "--split".as_ref(),
+        "test".as_ref(),
+        "--config".as_ref(),
+        config.as_os_str(),
+    ]);
+    assert!(text.contains("RESULT split=test "), "{text}");
+    assert_eq!(r["questions"], 2.0, "category 5 is left out: {text}");
+    // 36 turns per conversation, more than an answer may hold.
+    assert!(
+        r["turns_per_answer"] > 10.0 && r["turns_per_answer"] <= 30.0,
+        "{text}"
+    );
+    assert_eq!(r["bm25w_r5"], 1.0, "{text}");
+    // The planted turn comes first, not after the rest of its session.
+    assert_eq!(r["r5"], 1.0, "{text}");
+    assert_eq!(r["r30"], 1.0, "{text}");
+    assert!(r["p50_ms"] > 0.0, "{text}");
+}

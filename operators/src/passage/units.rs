@@ -15,14 +15,14 @@
 //!   (1 − mix) · cos(its row)`, its lexical score its BM25 over the query's
 //!   ceiling (0–1), fused as rows are: `dense + lexical_weight · lexical`,
 //!   with their own weights ([`UnitParams`]).
-//! - **Units under a budget**: windows are taken best first; one that
-//!   overlaps or touches a unit already taken from the same row is merged
-//!   into it (the unit keeps its best score), else it starts a new unit.
-//!   Units that grow into each other become one. Taking stops at `k` units
-//!   or `max_turns` turns, whichever comes first; a new unit is cut to the
-//!   turns left, keeping the turn its window ends at, and a merge that would
-//!   pass the budget is skipped.
-//!   Several units may come from one session when they earn it.
+//! - **Units under a budget**: windows are taken best first, each handing
+//!   over only its turns not handed over yet, at its rank (so the best
+//!   evidence comes first however long its session); turns that continue
+//!   the unit taken just before join it, others make a unit of their own.
+//!   Several units may come from one session when they earn it, and no turn
+//!   is handed over twice. Taking stops at `k` units or `max_turns` turns,
+//!   whichever comes first; a window is cut to the turns left, keeping the
+//!   turn it ends at.
 //!
 //! A row with no turns of its own (a memory, a click, a single turn, a
 //! session written before windows existed) is one unit of one turn.
@@ -271,9 +271,16 @@ pub fn retrieve_units_until(
     })
 }
 
-/// Merges windows (best first) into units under `budget`.
+/// Takes windows (best first) as units under `budget`: each window hands
+/// over only its turns not yet handed over, at its rank, so the best
+/// evidence comes first whatever its session's length; those turns join
+/// the unit taken just before when they continue it (consecutive ranks in
+/// one place of a session read as one passage), else they are a unit of
+/// their own.
 fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
     let mut out: Vec<UnitHit> = Vec::new();
+    let mut handed: HashSet<(u32, u32)> = HashSet::new();
+    let mut whole: HashSet<u32> = HashSet::new();
     let mut turns = 0usize;
     for w in windows {
         if turns >= budget.turns {
@@ -282,55 +289,49 @@ fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
         let left = budget.turns - turns;
         if w.end == 0 {
             // A row without turns: once, as one turn.
-            if out.iter().any(|u| u.row == w.row) || out.len() >= budget.units {
+            if out.len() >= budget.units || !whole.insert(w.row) {
                 continue;
             }
             turns += 1;
             out.push(w);
             continue;
         }
-        // Every unit of the row this window overlaps or touches: merged
-        // with it into one (at the place and score of the best).
-        let touching: Vec<usize> = (0..out.len())
-            .filter(|&i| {
-                let u = &out[i];
-                u.row == w.row && u.end > 0 && w.start <= u.end && u.start <= w.end
-            })
-            .collect();
-        if let Some(&first) = touching.first() {
-            let held: usize = touching.iter().map(|&i| out[i].turns()).sum();
-            let lo = touching
-                .iter()
-                .map(|&i| out[i].start)
-                .fold(w.start, u32::min);
-            let hi = touching.iter().map(|&i| out[i].end).fold(w.end, u32::max);
-            let added = (hi - lo) as usize - held;
-            if added == 0 && touching.len() == 1 {
-                continue;
-            }
-            if added > left {
-                // Merging would pass the budget: a later, smaller window
-                // may still fit.
-                continue;
-            }
-            out[first].start = lo;
-            out[first].end = hi;
-            for &i in touching[1..].iter().rev() {
-                out.remove(i);
-            }
-            turns += added;
+        // The window's turns not handed over yet: the run that ends
+        // nearest its last turn (the turn it was formed for).
+        let mut hi = w.end;
+        while hi > w.start && handed.contains(&(w.row, hi - 1)) {
+            hi -= 1;
+        }
+        if hi == w.start {
             continue;
         }
-        if out.len() >= budget.units {
+        let mut lo = hi - 1;
+        while lo > w.start && !handed.contains(&(w.row, lo - 1)) {
+            lo -= 1;
+        }
+        // Cut to the turns left, keeping the last.
+        let lo = lo.max(hi - u32::try_from(left).unwrap_or(u32::MAX).min(hi - lo));
+        let continues = out
+            .last()
+            .is_some_and(|u| u.row == w.row && u.end > 0 && (u.end == lo || hi == u.start));
+        if !continues && out.len() >= budget.units {
             continue;
         }
-        let n = (w.end - w.start) as usize;
-        let kept = n.min(left) as u32;
-        turns += kept as usize;
-        out.push(UnitHit {
-            start: w.end - kept,
-            ..w
-        });
+        for t in lo..hi {
+            handed.insert((w.row, t));
+        }
+        turns += (hi - lo) as usize;
+        match out.last_mut() {
+            Some(u) if continues => {
+                u.start = u.start.min(lo);
+                u.end = u.end.max(hi);
+            }
+            _ => out.push(UnitHit {
+                start: lo,
+                end: hi,
+                ..w
+            }),
+        }
     }
     out
 }
@@ -403,8 +404,9 @@ mod tests {
         let q = [1.0, 0.0, 0.0, 0.0];
         let a = retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &u, budget, &|| false).unwrap();
         let spans: Vec<(u32, u32, u32)> = a.hits.iter().map(|h| (h.row, h.start, h.end)).collect();
-        // Windows 0 and 1 merge into turns 0..4; window 3 (the name) is a
-        // second unit of the same session, 5..8, though its vector is far.
+        // Windows 0 and 1 (consecutive ranks) are one unit, turns 0..4;
+        // window 3 (the name) is a second unit of the same session, 5..8,
+        // though its vector is far.
         assert_eq!(spans[0], (0, 0, 4), "{a:?}");
         assert_eq!(spans[1], (0, 5, 8), "{a:?}");
         assert_eq!(a.hits[1].window, 3);
@@ -445,7 +447,11 @@ mod tests {
     }
 
     #[test]
-    fn overlapping_windows_of_a_row_merge_and_others_stay_apart() {
+    fn each_window_hands_over_its_new_turns_at_its_rank() {
+        let all = UnitBudget {
+            units: 10,
+            turns: 100,
+        };
         let got = take_units(
             vec![
                 w(0, 4, 7, 0.9),
@@ -454,15 +460,27 @@ mod tests {
                 w(0, 20, 23, 0.6),
                 w(0, 1, 4, 0.5),
             ],
-            UnitBudget {
-                units: 10,
-                turns: 100,
-            },
+            all,
         );
         let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
-        // 5..8 merges into 4..7 (overlap), 1..4 touches it (adjacent).
-        assert_eq!(spans, [(0, 1, 8), (1, 0, 3), (0, 20, 23)]);
-        assert_eq!(got[0].score, 0.9, "a unit keeps its best score");
+        // 5..8 hands over only turn 7, at its rank; 1..4 its own turns.
+        assert_eq!(
+            spans,
+            [(0, 4, 7), (1, 0, 3), (0, 7, 8), (0, 20, 23), (0, 1, 4)]
+        );
+        assert_eq!(got[0].score, 0.9);
+        // Consecutive ranks in one place of a session are one unit, and a
+        // later window continuing the last unit joins it.
+        let got = take_units(vec![w(2, 0, 3, 0.9), w(2, 1, 4, 0.8), w(2, 2, 5, 0.7)], all);
+        let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
+        assert_eq!(spans, [(2, 0, 5)]);
+        let got = take_units(vec![w(2, 0, 3, 0.9), w(2, 5, 8, 0.8), w(2, 3, 6, 0.7)], all);
+        let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
+        assert_eq!(
+            spans,
+            [(2, 0, 3), (2, 3, 8)],
+            "no turn is handed over twice"
+        );
     }
 
     #[test]
