@@ -404,10 +404,12 @@ struct Written {
 impl Tools {
     #[tool(
         description = "Search a user's long-term memory: their past dialogue turns, \
-        interactions and the memories steamrf consolidated from them. Returns the best rows, \
-        each with its content, score and provenance (table, ids, source event ids, Kafka \
-        partition and offset), plus an explanation of how the search ran. Use it before \
-        answering anything that may depend on what the user said or did earlier.",
+        interactions and the memories steamrf consolidated from them. Returns the best \
+        results, each with its content, score and provenance (table, ids, source event ids, \
+        Kafka partition and offset), plus an explanation of how the search ran; dialogue comes \
+        back as the few turns that matched (at most max_turns in all, 30 by default), not whole \
+        conversations. Use it before answering anything that may depend on what the user said \
+        or did earlier.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn retrieve(

@@ -65,7 +65,8 @@ pub struct Item {
     /// The lexical part: the row's BM25 score for the query text over the
     /// most any row could score for it (0–1; 0 without query text).
     pub lexical: f32,
-    /// The passage window that scored best, for a session with windows.
+    /// For a session: the turns handed over (an evidence unit's span, or
+    /// on the row path the window that scored best).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub passage: Option<cache::Window>,
     /// The recollection round that found it (0 for familiarity or a row
