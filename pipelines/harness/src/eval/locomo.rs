@@ -104,9 +104,7 @@ fn session_ms(s: &str) -> Option<i64> {
         "pm" => {}
         _ => return None,
     }
-    let mut parts = date
-        .split(|c: char| c == ' ' || c == ',')
-        .filter(|p| !p.is_empty());
+    let mut parts = date.split([' ', ',']).filter(|p| !p.is_empty());
     let day: u32 = parts.next()?.parse().ok()?;
     let name = parts.next()?.to_ascii_lowercase();
     let month = chrono::Month::try_from(
@@ -490,7 +488,7 @@ async fn ask_all(
         by_path.entry(path).or_default().add(&turns, &q.evidence);
     }
     stop.store(true, Ordering::Relaxed);
-    let _ = service.await;
+    service.await.map_err(internal)??;
     latency.sort_by(f64::total_cmp);
     Ok(Run {
         served,
@@ -567,10 +565,10 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
         turns_handed,
         bytes_handed,
         latency,
-    } = first;
-    let (p50, p99) = (percentile(&latency, 0.5), percentile(&latency, 0.99));
+    } = &first;
+    let (p50, p99) = (percentile(latency, 0.5), percentile(latency, 0.99));
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
-    let turns_per_answer = mean(&turns_handed);
+    let turns_per_answer = mean(turns_handed);
     let max_turns = turns_handed.iter().copied().fold(0.0, f64::max);
 
     let mut lines = vec![
@@ -591,10 +589,10 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
     lines.push(row(
         &format!("all ({})", questions.len()),
         "steamrf serve (defaults)",
-        &served,
+        served,
     ));
-    lines.push(row("", "BM25 over 3-turn windows", &bm25));
-    for (cat, (s, b)) in &by_category {
+    lines.push(row("", "BM25 over 3-turn windows", bm25));
+    for (cat, (s, b)) in by_category {
         let n = s.recall[0].len();
         lines.push(row(&format!("category {cat} ({n})"), "steamrf serve", s));
         lines.push(row("", "BM25 over 3-turn windows", b));
@@ -609,7 +607,7 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
     lines.push(format!(
         "R@10 steamrf − BM25 windows: {d:+.3} (95% CI {dlo:+.3} – {dhi:+.3}, paired over questions)"
     ));
-    for (path, s) in &by_path {
+    for (path, s) in by_path {
         lines.push(format!(
             "path {path}: {} questions, R@10 {:.3}",
             s.recall[1].len(),
@@ -635,25 +633,14 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
                 percentile(&r.latency, 0.5)
             ));
         };
-        add(
-            "(configuration)",
-            &Run {
-                served: served.clone(),
-                bm25: Scores::default(),
-                by_category: BTreeMap::new(),
-                by_path: BTreeMap::new(),
-                turns_handed: turns_handed.clone(),
-                bytes_handed: Vec::new(),
-                latency: latency.clone(),
-            },
-        );
+        add("(configuration)", &first);
         for (spec, r) in &swept {
             add(spec, r);
         }
     }
     lines.push(format!(
         "handed to the agent per answer: {turns_per_answer:.1} turns (at most {max_turns:.0}), {:.0} bytes; latency p50 {p50:.1} ms, p99 {p99:.1} ms (HTTP, query embedding included)",
-        mean(&bytes_handed)
+        mean(bytes_handed)
     ));
     lines.push(format!(
         "RESULT split={} questions={} r5={:.3} r10={:.3} r30={:.3} turns_per_answer={turns_per_answer:.1} bytes_per_answer={:.0} bm25w_r5={:.3} bm25w_r10={:.3} bm25w_r30={:.3} p50_ms={p50:.1} p99_ms={p99:.1}",
@@ -662,7 +649,7 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
         served.mean(0),
         served.mean(1),
         served.mean(2),
-        mean(&bytes_handed),
+        mean(bytes_handed),
         bm25.mean(0),
         bm25.mean(1),
         bm25.mean(2),
