@@ -93,17 +93,16 @@ impl Bm25Index {
         idf(self.lens.len(), df) as f32
     }
 
-    /// The BM25 score of every document that shares a term with `query`
-    /// (the others score 0), unordered. A query term counts once per
-    /// occurrence in the query.
-    pub fn scores(&self, query: &str) -> Vec<(u32, f32)> {
+    /// Calls `add(document, part)` for each query term's part of each
+    /// document's BM25 score for `query` (a query term counts once per
+    /// occurrence in the query); a document's score is the sum of its parts.
+    fn each_part(&self, query: &str, mut add: impl FnMut(u32, f32)) {
         let mut q: HashMap<String, f32> = HashMap::new();
         for t in terms(query) {
             *q.entry(t).or_insert(0.0) += 1.0;
         }
         let Bm25Params { k1, b } = self.params;
         let avg = self.avg_len.max(1.0);
-        let mut acc: HashMap<u32, f32> = HashMap::new();
         for (t, times) in &q {
             let Some(list) = self.postings.get(t.as_str()) else {
                 continue;
@@ -112,9 +111,17 @@ impl Bm25Index {
             for &(d, tf) in list {
                 let tf = tf as f32;
                 let norm = k1 * (1.0 - b + b * self.lens[d as usize] as f32 / avg);
-                *acc.entry(d).or_insert(0.0) += times * idf * tf * (k1 + 1.0) / (tf + norm);
+                add(d, times * idf * tf * (k1 + 1.0) / (tf + norm));
             }
         }
+    }
+
+    /// The BM25 score of every document that shares a term with `query`
+    /// (the others score 0), unordered. A query term counts once per
+    /// occurrence in the query.
+    pub fn scores(&self, query: &str) -> Vec<(u32, f32)> {
+        let mut acc: HashMap<u32, f32> = HashMap::new();
+        self.each_part(query, |d, part| *acc.entry(d).or_insert(0.0) += part);
         acc.into_iter().collect()
     }
 
@@ -123,24 +130,8 @@ impl Bm25Index {
     /// a dense vector instead of a map, which is several times cheaper when
     /// a query term is common (its posting list long).
     pub fn dense_scores(&self, query: &str) -> Vec<f32> {
-        let mut q: HashMap<String, f32> = HashMap::new();
-        for t in terms(query) {
-            *q.entry(t).or_insert(0.0) += 1.0;
-        }
-        let Bm25Params { k1, b } = self.params;
-        let avg = self.avg_len.max(1.0);
         let mut acc = vec![0.0f32; self.lens.len()];
-        for (t, times) in &q {
-            let Some(list) = self.postings.get(t.as_str()) else {
-                continue;
-            };
-            let idf = self.idf(list.len());
-            for &(d, tf) in list {
-                let tf = tf as f32;
-                let norm = k1 * (1.0 - b + b * self.lens[d as usize] as f32 / avg);
-                acc[d as usize] += times * idf * tf * (k1 + 1.0) / (tf + norm);
-            }
-        }
+        self.each_part(query, |d, part| acc[d as usize] += part);
         acc
     }
 

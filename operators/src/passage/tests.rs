@@ -5,7 +5,7 @@ use super::*;
 use crate::lexical::Bm25Params;
 use crate::rfmem::Mode;
 
-fn store(rows: &[[f32; 4]]) -> VectorStore {
+pub(super) fn store(rows: &[[f32; 4]]) -> VectorStore {
     let mut flat = Vec::new();
     for r in rows {
         let mut v = r.to_vec();

@@ -338,21 +338,14 @@ fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
 
 #[cfg(test)]
 mod tests {
-    use steamrf_kernels::Corpus;
-    use steamrf_kernels::cpu::CpuKernel;
-
     use super::*;
     use crate::lexical::Bm25Params;
-    use crate::rfmem::{Mode, VectorStore};
+    use crate::passage::tests::store;
+    use crate::rfmem::Mode;
 
-    fn store(rows: &[[f32; 4]]) -> VectorStore {
-        let mut flat = Vec::new();
-        for r in rows {
-            let mut v = r.to_vec();
-            normalize(&mut v);
-            flat.extend(v);
-        }
-        VectorStore::flat(Corpus::from_vec(flat, 4).unwrap(), CpuKernel::default())
+    /// (row, start, end) of each unit.
+    fn spans(units: &[UnitHit]) -> Vec<(u32, u32, u32)> {
+        units.iter().map(|u| (u.row, u.start, u.end)).collect()
     }
 
     /// Row 0: a session of 12 turns with windows ending at turns 2, 3, 11
@@ -403,7 +396,7 @@ mod tests {
         };
         let q = [1.0, 0.0, 0.0, 0.0];
         let a = retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &u, budget, &|| false).unwrap();
-        let spans: Vec<(u32, u32, u32)> = a.hits.iter().map(|h| (h.row, h.start, h.end)).collect();
+        let spans = spans(&a.hits);
         // Windows 0 and 1 (consecutive ranks) are one unit, turns 0..4;
         // window 3 (the name) is a second unit of the same session, 5..8,
         // though its vector is far.
@@ -462,22 +455,19 @@ mod tests {
             ],
             all,
         );
-        let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
         // 5..8 hands over only turn 7, at its rank; 1..4 its own turns.
         assert_eq!(
-            spans,
+            spans(&got),
             [(0, 4, 7), (1, 0, 3), (0, 7, 8), (0, 20, 23), (0, 1, 4)]
         );
         assert_eq!(got[0].score, 0.9);
         // Consecutive ranks in one place of a session are one unit, and a
         // later window continuing the last unit joins it.
         let got = take_units(vec![w(2, 0, 3, 0.9), w(2, 1, 4, 0.8), w(2, 2, 5, 0.7)], all);
-        let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
-        assert_eq!(spans, [(2, 0, 5)]);
+        assert_eq!(spans(&got), [(2, 0, 5)]);
         let got = take_units(vec![w(2, 0, 3, 0.9), w(2, 5, 8, 0.8), w(2, 3, 6, 0.7)], all);
-        let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
         assert_eq!(
-            spans,
+            spans(&got),
             [(2, 0, 3), (2, 3, 8)],
             "no turn is handed over twice"
         );
@@ -492,8 +482,7 @@ mod tests {
                 turns: 5,
             },
         );
-        let spans: Vec<(u32, u32, u32)> = got.iter().map(|u| (u.row, u.start, u.end)).collect();
-        assert_eq!(spans, [(0, 0, 3), (1, 5, 7)]);
+        assert_eq!(spans(&got), [(0, 0, 3), (1, 5, 7)]);
         assert_eq!(got.iter().map(UnitHit::turns).sum::<usize>(), 5);
         let few = take_units(
             vec![w(0, 0, 3, 0.9), w(1, 4, 7, 0.8), w(5, 0, 0, 0.7)],

@@ -391,10 +391,11 @@ pub(super) fn answer(
     let items = a
         .hits
         .iter()
-        .zip(spans.iter().map(Some).chain(std::iter::repeat(None)))
-        .filter_map(|(h, span)| {
+        .enumerate()
+        .filter_map(|(i, h)| {
             let e = entries.get(h.row as usize)?;
-            let passage = match span {
+            // Units have spans; rows (`spans` empty) name their best window.
+            let passage = match spans.get(i) {
                 // An evidence unit: its turns (merged windows), named by
                 // its last turn.
                 Some(&(start, end)) if end > 0 => Some(cache::Window {

@@ -191,13 +191,7 @@ pub(super) fn start_service(
     lance: &LanceDbConfig,
     serve_toml: &str,
 ) -> Result<(Child, String)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|source| Error::Io {
-            context: "finding a free port".into(),
-            source,
-        })?
-        .port();
+    let port = crate::free_port()?;
     let config = dir.join("soak.toml");
     let mut text = format!(
         "[embed]\nengine = \"off\"\n[serve]\nlisten = \"127.0.0.1:{port}\"\n{serve_toml}\n[lancedb]\nuri = {:?}\n[lancedb.storage_options]\n",

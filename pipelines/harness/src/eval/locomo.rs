@@ -414,13 +414,7 @@ async fn ask_all(
     baselines: &[Bm25Windows],
 ) -> Result<Run> {
     // Serve, and ask every question over HTTP.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|source| Error::Io {
-            context: "finding a free port".into(),
-            source,
-        })?
-        .port();
+    let port = crate::free_port()?;
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
     let stop = Arc::new(AtomicBool::new(false));
     let service = tokio::spawn(serve::run(config.clone(), Some(addr), stop.clone()));

@@ -295,32 +295,15 @@ pub fn build_user(
     // were written) is its own one window; `Entry::windows` stays empty, so
     // no passage is named for it.
     let any_windows = rows.iter().any(|r| !r.windows.is_empty());
-    // With windows, each is an evidence unit: its turns in its row, and its
-    // text for BM25 (a row that is its own window: the whole row).
-    let mut spans: Vec<(u32, u32)> = Vec::new();
-    let mut unit_texts: Vec<String> = Vec::new();
-    let lexical_on = cfg.units.lexical_weight > 0.0;
     for (i, r) in rows.into_iter().enumerate() {
         flat.extend_from_slice(&r.vector);
         if any_windows && r.windows.is_empty() {
             window_flat.extend_from_slice(&r.vector);
             owner.push(i as u32);
-            spans.push((0, 0));
-            if lexical_on {
-                unit_texts.push(r.entry.content.clone());
-            }
         }
-        for (w, v) in r.entry.windows.iter().zip(&r.windows) {
-            window_flat.extend_from_slice(v);
+        for w in &r.windows {
+            window_flat.extend_from_slice(w);
             owner.push(i as u32);
-            spans.push((w.start, w.end));
-            if lexical_on {
-                unit_texts.push(
-                    r.entry
-                        .turns_text(w.start as usize, w.end as usize)
-                        .to_owned(),
-                );
-            }
         }
         entries.push(r.entry);
     }
@@ -342,8 +325,21 @@ pub fn build_user(
     )
     .map_err(internal)?;
     if any_windows {
-        let lexical = lexical_on.then(|| Bm25Index::new(&unit_texts, Bm25Params::default()));
-        drop(unit_texts);
+        // Each window is an evidence unit, in the window index's order: its
+        // turns in its row and its text for BM25 (a row that is its own
+        // window: the whole row), read from the entries, not copied.
+        let units = || {
+            entries.iter().flat_map(|e| {
+                let own = e.windows.is_empty().then_some((0, 0, e.content.as_str()));
+                own.into_iter().chain(e.windows.iter().map(|w| {
+                    let text = e.turns_text(w.start as usize, w.end as usize);
+                    (w.start, w.end, text)
+                }))
+            })
+        };
+        let spans = units().map(|(start, end, _)| (start, end)).collect();
+        let lexical = (cfg.units.lexical_weight > 0.0)
+            .then(|| Bm25Index::new(units().map(|(_, _, text)| text), Bm25Params::default()));
         index = index
             .with_units(Units::new(spans, lexical))
             .map_err(internal)?;

@@ -80,13 +80,17 @@ impl Entry {
         if n == 0 || from >= to || to > n {
             return &self.content;
         }
-        let lo = match from.checked_sub(1) {
+        self.content
+            .get(self.turn_start(from)..self.turn_ends[to - 1] as usize)
+            .unwrap_or(&self.content)
+    }
+
+    /// Where turn `i` starts in `content` (a newline ends each before).
+    fn turn_start(&self, i: usize) -> usize {
+        match i.checked_sub(1) {
             None => 0,
             Some(prev) => self.turn_ends[prev] as usize + 1,
-        };
-        self.content
-            .get(lo..self.turn_ends[to - 1] as usize)
-            .unwrap_or(&self.content)
+        }
     }
 
     /// What an answer hands over for this row: the turns of `window` for
@@ -94,11 +98,7 @@ impl Entry {
     /// most `max` bytes at a character boundary.
     pub fn answer_text(&self, window: Option<&Window>, max: usize) -> AnswerText {
         let n = self.turn_ends.len();
-        // Where turn `i` starts in `content` (a newline ends each before).
-        let start_of = |i: usize| match i.checked_sub(1) {
-            None => 0,
-            Some(prev) => self.turn_ends[prev] as usize + 1,
-        };
+        let start_of = |i: usize| self.turn_start(i);
         let (from, to) = window
             .map(|w| (w.start as usize, w.end as usize))
             .filter(|&(a, b)| a < b && b <= n)
