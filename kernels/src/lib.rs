@@ -44,6 +44,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod ivf;
 pub mod nn;
+pub mod quant;
 pub mod reference;
 mod topk;
 

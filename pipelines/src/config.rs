@@ -385,6 +385,20 @@ pub enum EmbedBackend {
     Candle,
 }
 
+/// The number format of the native forward pass (`embed.precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EmbedPrecision {
+    /// int16 where the CPU has AVX-512 VNNI, else f32.
+    Auto,
+    /// f32: the reference.
+    F32,
+    /// int16 Linear layers on AVX-512 VNNI (an error on a CPU without it).
+    Int16,
+    /// int8 Linear layers on AVX-512 VNNI: faster, coarser (an error on a CPU without it).
+    Int8,
+}
+
 /// `[embed]`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -401,6 +415,8 @@ pub struct EmbedConfig {
     pub workers: usize,
     /// The local forward pass.
     pub backend: EmbedBackend,
+    /// The native forward pass's number format.
+    pub precision: EmbedPrecision,
     /// Embedding jobs queued for the workers.
     pub queue: usize,
     /// How an item becomes text.

@@ -29,13 +29,13 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::TimestampMillisecondType;
 use arrow_array::{Array, BooleanArray, RecordBatch, UInt32Array};
 use steamrf_operators::embed::{
-    Backend, EmbedError, Embedder, LocalEmbedder, MiniLm, MiniLmOptions, RemoteEmbedder,
+    Backend, EmbedError, Embedder, LocalEmbedder, MiniLm, MiniLmOptions, Precision, RemoteEmbedder,
     RemoteOptions,
 };
 use steamrf_schemas::TableName;
 use steamrf_schemas::tables::{EMBEDDING_DIM, with_embeddings};
 
-use crate::config::{EmbedBackend, EmbedConfig, EmbedEngine};
+use crate::config::{EmbedBackend, EmbedConfig, EmbedEngine, EmbedPrecision};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::sink::{LanceSink, dedup};
@@ -65,17 +65,32 @@ pub fn embedder(cfg: &EmbedConfig) -> Result<Option<Arc<dyn Embedder>>> {
                         EmbedBackend::Native => Backend::Native,
                         EmbedBackend::Candle => Backend::Candle,
                     },
+                    precision: match cfg.precision {
+                        EmbedPrecision::Auto => Precision::Auto,
+                        EmbedPrecision::F32 => Precision::F32,
+                        EmbedPrecision::Int16 => Precision::Int16,
+                        EmbedPrecision::Int8 => Precision::Int8,
+                    },
                     max_tokens: cfg.max_tokens,
                     batch_size: cfg.batch_size,
                     ..MiniLmOptions::default()
                 },
             )
             .map_err(|e| Error::Config {
-                problems: vec![format!(
-                    "embed.model_dir: {e} (run scripts/tools.sh to fetch all-MiniLM-L6-v2, or set embed.engine = \"remote\" or \"off\")"
-                )],
+                problems: vec![match e {
+                    EmbedError::Unsupported(why) => format!("embed.precision: {why}"),
+                    e => format!(
+                        "embed.model_dir: {e} (run scripts/tools.sh to fetch all-MiniLM-L6-v2, or set embed.engine = \"remote\" or \"off\")"
+                    ),
+                }],
             })?;
-            tracing::info!(model = model.model_id(), took = ?started.elapsed(), "Embedding model loaded.");
+            tracing::info!(
+                model = model.model_id(),
+                precision = model.precision().as_str(),
+                configured = ?cfg.precision,
+                took = ?started.elapsed(),
+                "Embedding model loaded."
+            );
             Arc::new(
                 LocalEmbedder::start(model, workers(cfg), cfg.queue).map_err(|e| {
                     Error::Internal {

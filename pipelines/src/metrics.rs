@@ -112,6 +112,8 @@ pub struct Metrics {
     pub llm_duration: Histogram,
     /// 1 for the similarity kernel backend in use (cpu, cuda).
     pub kernel_backend: IntGaugeVec,
+    /// 1 for the number format the embedder runs at (f32, int8, remote).
+    pub embed_precision: IntGaugeVec,
     /// Duration of one relation-extraction kernel call (batch cosine + top-k).
     pub kernel_duration: Histogram,
     /// Members of the largest community.
@@ -467,6 +469,12 @@ impl Metrics {
                 "1 for the similarity kernel backend relation extraction uses.",
                 &["backend"],
             ),
+            embed_precision: gauge_vec(
+                &r,
+                "steamrf_embed_precision_info",
+                "1 for the number format the embedder runs at (f32, int16, int8; remote: another process embeds).",
+                &["precision"],
+            ),
             kernel_duration: histogram(
                 &r,
                 "steamrf_kernel_duration_seconds",
@@ -517,6 +525,9 @@ impl Metrics {
         }
         for b in ["cpu", "cuda"] {
             m.kernel_backend.with_label_values(&[b]);
+        }
+        for p in ["f32", "int16", "int8", "remote"] {
+            m.embed_precision.with_label_values(&[p]);
         }
         for k in ["prompt", "completion"] {
             m.llm_tokens.with_label_values(&[k]);

@@ -78,6 +78,12 @@ async fn run_inner(
     source::check_brokers(&config.kafka).await?;
     let sink = LanceSink::open(&config.lancedb, metrics.clone()).await?;
     let embedder = crate::embed::embedder(&config.embed)?;
+    if let Some(e) = &embedder {
+        metrics
+            .embed_precision
+            .with_label_values(&[e.precision()])
+            .set(1);
+    }
     let stage = Arc::new(
         EmbedStage::new(
             embedder.clone(),

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
 
-pub use minilm::{Backend, MiniLm, MiniLmOptions};
+pub use minilm::{Backend, MiniLm, MiniLmOptions, Precision};
 pub use remote::{RemoteEmbedder, RemoteOptions};
 
 /// The dimension of all-MiniLM-L6-v2, and of every embedding column.
@@ -65,6 +65,9 @@ impl Embeddings {
 /// Why a batch could not be embedded.
 #[derive(Debug, thiserror::Error)]
 pub enum EmbedError {
+    /// The options cannot run on this machine or backend (named in the message).
+    #[error("{0}")]
+    Unsupported(String),
     /// The model directory is missing a file or holds something unreadable.
     #[error("loading the model from {path}: {reason}")]
     Load {
@@ -106,7 +109,11 @@ impl EmbedError {
     pub fn retryable(&self) -> bool {
         match self {
             Self::Remote { retryable, .. } => *retryable,
-            Self::Load { .. } | Self::Model(_) | Self::Rejected { .. } | Self::Closed => false,
+            Self::Unsupported(_)
+            | Self::Load { .. }
+            | Self::Model(_)
+            | Self::Rejected { .. }
+            | Self::Closed => false,
         }
     }
 }
@@ -144,6 +151,10 @@ pub trait Embedder: Send + Sync + 'static {
 
     /// A name for logs and provenance, e.g. `all-MiniLM-L6-v2`.
     fn model_id(&self) -> &str;
+
+    /// The number format vectors are computed in (`f32`, `int8`), or
+    /// `remote` when another process computes them.
+    fn precision(&self) -> &'static str;
 
     /// Embeds `texts`; the result has one row per text, in order.
     fn embed(&self, texts: Vec<String>) -> BoxFuture<'static, Result<Embeddings, EmbedError>>;
@@ -189,6 +200,7 @@ struct Job {
 /// busy, and the async runtime's threads never run the model.
 pub struct LocalEmbedder {
     model_id: String,
+    precision: Precision,
     dim: usize,
     batch_size: usize,
     jobs: tokio::sync::mpsc::Sender<Job>,
@@ -245,6 +257,7 @@ impl LocalEmbedder {
         }
         Ok(Self {
             model_id: model.model_id().to_owned(),
+            precision: model.precision(),
             dim: model.dim(),
             batch_size: model.batch_size(),
             jobs: tx,
@@ -260,6 +273,10 @@ impl Embedder for LocalEmbedder {
 
     fn model_id(&self) -> &str {
         &self.model_id
+    }
+
+    fn precision(&self) -> &'static str {
+        self.precision.as_str()
     }
 
     fn embed(&self, texts: Vec<String>) -> BoxFuture<'static, Result<Embeddings, EmbedError>> {

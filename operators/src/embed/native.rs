@@ -8,7 +8,11 @@
 //!   results are the same);
 //! - Q, K and V in one matrix multiply (weights concatenated at load);
 //! - bias adds fused into the multiply, buffers reused across layers;
-//! - GELU with a branch-free erf (max error 4.2e-7) instead of libm's.
+//! - GELU with a branch-free erf (max error 4.2e-7) instead of libm's;
+//! - at [`Precision::Int16`] or [`Precision::Int8`], the four Linear layers of
+//!   each block on integer weights (per output channel) and activations (per
+//!   token), summed exactly in i32 by AVX-512 VNNI (`steamrf_kernels::quant`);
+//!   embeddings, attention, layer norm, softmax, GELU and pooling stay f32.
 //!
 //! Weights come from the same `model.safetensors` (each tensor through candle's loader).
 
@@ -19,18 +23,47 @@ use safetensors::SafeTensors;
 use steamrf_kernels::nn::{
     MatMut, MatRef, add_assign, gelu_erf, layer_norm, linear, matmul, softmax_rows,
 };
+use steamrf_kernels::quant::{Format, QuantLinear};
+
+use super::minilm::Precision;
+
+/// A Linear layer (`out = x · wᵀ + b`, `w` of `n × k`) in the format the
+/// model was loaded at.
+enum Dense {
+    F32 {
+        w: Vec<f32>,
+        b: Vec<f32>,
+        n: usize,
+        k: usize,
+    },
+    Quant(QuantLinear),
+}
+
+impl Dense {
+    fn new(w: Vec<f32>, b: Vec<f32>, n: usize, k: usize, precision: Precision) -> Self {
+        match precision {
+            Precision::Int16 => Self::Quant(QuantLinear::new(Format::Int16, &w, &b, n, k)),
+            Precision::Int8 => Self::Quant(QuantLinear::new(Format::Int8, &w, &b, n, k)),
+            Precision::F32 | Precision::Auto => Self::F32 { w, b, n, k },
+        }
+    }
+
+    /// `out` (`t × n`) `= x` (`t × k`) `· wᵀ + b`.
+    fn apply(&self, out: &mut [f32], x: &[f32], t: usize) {
+        match self {
+            Self::F32 { w, b, n, k } => linear(out, x, w, b, t, *k, *n),
+            Self::Quant(l) => l.forward(out, x, t),
+        }
+    }
+}
 
 struct Layer {
-    qkv_w: Vec<f32>,
-    qkv_b: Vec<f32>,
-    attn_out_w: Vec<f32>,
-    attn_out_b: Vec<f32>,
+    qkv: Dense,
+    attn_out: Dense,
     ln1_g: Vec<f32>,
     ln1_b: Vec<f32>,
-    inter_w: Vec<f32>,
-    inter_b: Vec<f32>,
-    out_w: Vec<f32>,
-    out_b: Vec<f32>,
+    inter: Dense,
+    out: Dense,
     ln2_g: Vec<f32>,
     ln2_b: Vec<f32>,
 }
@@ -86,7 +119,12 @@ impl Weights<'_> {
 }
 
 impl NativeBert {
-    pub(super) fn load(bytes: &[u8], config: &BertConfig) -> Result<Self, String> {
+    /// Loads the weights at `precision` (already resolved from `Auto`).
+    pub(super) fn load(
+        bytes: &[u8],
+        config: &BertConfig,
+        precision: Precision,
+    ) -> Result<Self, String> {
         let tensors = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
         let prefix = if tensors
             .tensor("bert.embeddings.word_embeddings.weight")
@@ -113,17 +151,22 @@ impl NativeBert {
             let mut qkv_b = w.get(&p("attention.self.query.bias"), h)?;
             qkv_b.extend(w.get(&p("attention.self.key.bias"), h)?);
             qkv_b.extend(w.get(&p("attention.self.value.bias"), h)?);
+            let dense = |name: &str, n: usize, k: usize| -> Result<Dense, String> {
+                Ok(Dense::new(
+                    w.get(&p(&format!("{name}.weight")), n * k)?,
+                    w.get(&p(&format!("{name}.bias")), n)?,
+                    n,
+                    k,
+                    precision,
+                ))
+            };
             layers.push(Layer {
-                qkv_w,
-                qkv_b,
-                attn_out_w: w.get(&p("attention.output.dense.weight"), h * h)?,
-                attn_out_b: w.get(&p("attention.output.dense.bias"), h)?,
+                qkv: Dense::new(qkv_w, qkv_b, 3 * h, h, precision),
+                attn_out: dense("attention.output.dense", h, h)?,
                 ln1_g: w.get(&p("attention.output.LayerNorm.weight"), h)?,
                 ln1_b: w.get(&p("attention.output.LayerNorm.bias"), h)?,
-                inter_w: w.get(&p("intermediate.dense.weight"), i * h)?,
-                inter_b: w.get(&p("intermediate.dense.bias"), i)?,
-                out_w: w.get(&p("output.dense.weight"), h * i)?,
-                out_b: w.get(&p("output.dense.bias"), h)?,
+                inter: dense("intermediate.dense", i, h)?,
+                out: dense("output.dense", h, i)?,
                 ln2_g: w.get(&p("output.LayerNorm.weight"), h)?,
                 ln2_b: w.get(&p("output.LayerNorm.bias"), h)?,
             });
@@ -188,7 +231,7 @@ impl NativeBert {
         let mut scores = vec![0.0f32; longest * longest];
         let scale = 1.0 / (dh as f32).sqrt();
         for layer in &self.layers {
-            linear(&mut qkv, &x, &layer.qkv_w, &layer.qkv_b, total, h, 3 * h);
+            layer.qkv.apply(&mut qkv, &x, total);
             let mut start = 0;
             for s in seqs {
                 let len = s.len();
@@ -215,36 +258,12 @@ impl NativeBert {
                 }
                 start += len;
             }
-            linear(
-                &mut attn,
-                &ctx,
-                &layer.attn_out_w,
-                &layer.attn_out_b,
-                total,
-                h,
-                h,
-            );
+            layer.attn_out.apply(&mut attn, &ctx, total);
             add_assign(&mut attn, &x);
             layer_norm(&mut attn, &layer.ln1_g, &layer.ln1_b, self.eps);
-            linear(
-                &mut inter,
-                &attn,
-                &layer.inter_w,
-                &layer.inter_b,
-                total,
-                h,
-                self.inter,
-            );
+            layer.inter.apply(&mut inter, &attn, total);
             gelu_erf(&mut inter);
-            linear(
-                &mut x,
-                &inter,
-                &layer.out_w,
-                &layer.out_b,
-                total,
-                self.inter,
-                h,
-            );
+            layer.out.apply(&mut x, &inter, total);
             add_assign(&mut x, &attn);
             layer_norm(&mut x, &layer.ln2_g, &layer.ln2_b, self.eps);
         }

@@ -257,6 +257,10 @@ impl Embedder for RemoteEmbedder {
         &self.inner.opts.model
     }
 
+    fn precision(&self) -> &'static str {
+        "remote"
+    }
+
     fn embed(&self, texts: Vec<String>) -> BoxFuture<'static, Result<Embeddings, EmbedError>> {
         let inner = self.inner.clone();
         Box::pin(async move {

@@ -25,6 +25,13 @@ fn model() -> MiniLm {
     MiniLm::load(&model_dir(), MiniLmOptions::default()).unwrap()
 }
 
+fn f32_opts() -> MiniLmOptions {
+    MiniLmOptions {
+        precision: Precision::F32,
+        ..MiniLmOptions::default()
+    }
+}
+
 #[derive(Deserialize)]
 struct Reference {
     sentences: Vec<String>,
@@ -69,7 +76,7 @@ fn embeddings_match_the_reference_batched_and_one_at_a_time() {
                 MiniLmOptions {
                     backend,
                     batch_size,
-                    ..MiniLmOptions::default()
+                    ..f32_opts()
                 },
             )
             .unwrap();
@@ -90,6 +97,97 @@ fn embeddings_match_the_reference_batched_and_one_at_a_time() {
             }
         }
     }
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The integer forward passes against sentence-transformers' f32 vectors and
+/// steamrf's own f32 pass, batched and alone: int16 (what `auto` picks)
+/// keeps every cosine ≥ 0.999, int8 (only on request) ≥ 0.99. Runs where
+/// the CPU has AVX-512 VNNI; elsewhere it checks that asking for an integer
+/// format is refused by name and that `auto` means f32.
+#[test]
+fn integer_embeddings_stay_close_to_f32() {
+    let r = reference();
+    let texts: Vec<&str> = r.sentences.iter().map(String::as_str).collect();
+    let at = |precision| MiniLmOptions {
+        precision,
+        ..MiniLmOptions::default()
+    };
+    if !steamrf_kernels::quant::vnni_available() {
+        eprintln!("integer embedder parity: skipped, this CPU has no AVX-512 VNNI");
+        for p in [Precision::Int16, Precision::Int8] {
+            let err = MiniLm::load(&model_dir(), at(p)).unwrap_err().to_string();
+            assert!(err.contains("AVX-512 VNNI"), "{err}");
+        }
+        assert_eq!(model().precision(), Precision::F32);
+        return;
+    }
+    eprintln!("integer embedder parity: AVX-512 VNNI path");
+    assert_eq!(
+        model().precision(),
+        Precision::Int16,
+        "auto picks int16 here"
+    );
+    let exact = MiniLm::load(&model_dir(), f32_opts()).unwrap();
+    let want = exact.embed_sync(&texts).unwrap();
+    for (precision, floor) in [(Precision::Int16, 0.999), (Precision::Int8, 0.99)] {
+        // Every cosine first, then the check: the log shows the whole spread.
+        let (mut worst_st, mut worst_f32) = (1.0f32, 1.0f32);
+        for batch_size in [32, 3] {
+            let m = MiniLm::load(
+                &model_dir(),
+                MiniLmOptions {
+                    batch_size,
+                    ..at(precision)
+                },
+            )
+            .unwrap();
+            assert_eq!(m.precision(), precision);
+            let got = m.embed_sync(&texts).unwrap();
+            for (i, st) in r.vectors.iter().enumerate() {
+                worst_st = worst_st.min(cosine(got.row(i), st));
+                worst_f32 = worst_f32.min(cosine(got.row(i), want.row(i)));
+                if batch_size == 32 {
+                    let alone = m.embed_sync(&texts[i..=i]).unwrap();
+                    worst_f32 = worst_f32.min(cosine(alone.row(0), want.row(i)));
+                }
+            }
+        }
+        eprintln!(
+            "{precision:?} embedder: lowest cosine {worst_st:.5} to sentence-transformers, {worst_f32:.5} to steamrf f32, over {} sentences batched and alone",
+            texts.len()
+        );
+        assert!(
+            worst_st >= floor,
+            "{precision:?}: lowest cosine to sentence-transformers {worst_st}"
+        );
+        assert!(
+            worst_f32 >= floor,
+            "{precision:?}: lowest cosine to steamrf f32 {worst_f32}"
+        );
+    }
+    let candle = MiniLm::load(
+        &model_dir(),
+        MiniLmOptions {
+            backend: Backend::Candle,
+            ..at(Precision::Int16)
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(candle.contains("native backend"), "{candle}");
+    let auto_candle = MiniLm::load(
+        &model_dir(),
+        MiniLmOptions {
+            backend: Backend::Candle,
+            ..MiniLmOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(auto_candle.precision(), Precision::F32);
 }
 
 #[test]
@@ -142,7 +240,7 @@ fn runtime() -> tokio::runtime::Runtime {
 #[test]
 fn local_embedder_runs_off_the_runtime_and_keeps_order() {
     let r = reference();
-    let emb = LocalEmbedder::start(model(), 2, 4).unwrap();
+    let emb = LocalEmbedder::start(MiniLm::load(&model_dir(), f32_opts()).unwrap(), 2, 4).unwrap();
     let rt = runtime();
     let results = rt.block_on(async {
         let futs = r.sentences.iter().map(|s| emb.embed(vec![s.clone()]));
@@ -162,7 +260,7 @@ fn one_call_is_cut_into_forward_passes_for_every_worker_and_keeps_order() {
         &model_dir(),
         MiniLmOptions {
             batch_size: 3,
-            ..MiniLmOptions::default()
+            ..f32_opts()
         },
     )
     .unwrap();

@@ -66,6 +66,8 @@ pub struct ServeMetrics {
     pub cut: IntCounterVec,
     /// Tokens file reloads, by result (ok, error).
     pub token_reloads: IntCounterVec,
+    /// 1 for the number format the query embedder runs at.
+    pub embed_precision: IntGaugeVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -228,6 +230,15 @@ impl ServeMetrics {
         for result in ["ok", "error"] {
             token_reloads.with_label_values(&[result]);
         }
+        let embed_precision = gauge_vec(
+            &r,
+            "steamrf_embed_precision_info",
+            "1 for the number format the query embedder runs at (f32, int16, int8; remote: another process embeds).",
+            &["precision"],
+        );
+        for p in ["f32", "int16", "int8", "remote"] {
+            embed_precision.with_label_values(&[p]);
+        }
         for route in ROUTES {
             request_duration.with_label_values(&[route]);
             for status in ["200", "400", "401", "403", "503"] {
@@ -273,6 +284,7 @@ impl ServeMetrics {
             shed,
             cut,
             token_reloads,
+            embed_precision,
         }
     }
 

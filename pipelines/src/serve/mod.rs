@@ -150,12 +150,19 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
             tenant_separator: config.tenancy.separator(),
         },
     ));
+    let metrics = ServeMetrics::new();
+    if let Some(e) = &embedder {
+        metrics
+            .embed_precision
+            .with_label_values(&[e.precision()])
+            .set(1);
+    }
     let mut st = AppState::new(
         config.serve.clone(),
         config.tenancy.separator(),
         embedder,
         auth,
-        ServeMetrics::new(),
+        metrics,
         Snapshot::default(),
         tables.clone(),
     )

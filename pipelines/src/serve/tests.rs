@@ -826,6 +826,9 @@ where
     fn model_id(&self) -> &str {
         "test"
     }
+    fn precision(&self) -> &'static str {
+        "f32"
+    }
     fn embed(&self, texts: Vec<String>) -> BoxFuture<'static, EmbedResult> {
         (self.1)(texts)
     }

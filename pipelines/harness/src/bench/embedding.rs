@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use steamrf_pipelines::config::{Config, EmbedConfig, EmbedEngine};
+use steamrf_pipelines::config::{Config, EmbedConfig, EmbedEngine, EmbedPrecision};
 use steamrf_pipelines::embed;
 use steamrf_pipelines::error::{Error, Result};
 use steamrf_pipelines::metrics::Metrics;
@@ -89,8 +89,10 @@ pub struct EmbedBench {
 }
 
 /// `steamrf bench embed`: sentences/s of the in-process embedder through the
-/// pipeline's async interface, beside sentence-transformers on torch on the
-/// same texts and model directory, in the same run.
+/// pipeline's async interface at the configured `embed.precision`, beside the
+/// same embedder at f32 and sentence-transformers on torch (f32, and under
+/// `torch.autocast(bfloat16)`) on the same texts and model directory, in the
+/// same run; the lowest cosine between the configured and the f32 vectors.
 ///
 /// # Errors
 /// The model failing to load, or the reference failing to run.
@@ -110,24 +112,53 @@ pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
     };
     let mut cfg = b.config.clone();
     cfg.engine = EmbedEngine::Local;
+    let mut f32_cfg = cfg.clone();
+    f32_cfg.precision = EmbedPrecision::F32;
+    let precision = embed::embedder(&cfg)?
+        .map_or("off", |e| e.precision())
+        .to_owned();
+    // f32 first, then the configured precision: each the best of two runs.
+    let reference32 = time_embedder(&f32_cfg, &texts, b.chunk, 2).await?;
+    let configured = if precision == "f32" {
+        None
+    } else {
+        Some(time_embedder(&cfg, &texts, b.chunk, 2).await?)
+    };
+    let timed = configured.as_ref().unwrap_or(&reference32);
     let Timed {
         secs: best,
-        vectors,
+        ref vectors,
         tokens,
         dim,
-    } = time_embedder(&cfg, &texts, b.chunk, 2).await?;
+    } = *timed;
     let steamrf = texts.len() as f64 / best;
+    let f32_rate = texts.len() as f64 / reference32.secs;
+    let cos_min = vectors
+        .chunks(dim)
+        .zip(reference32.vectors.chunks(dim))
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>())
+        .fold(1.0f32, f32::min);
     out.push(format!(
-        "steamrf ({:?} forward pass, {} worker(s), batches of {}, length-sorted): {} texts, {:.1} tokens/text, {best:.2} s, {steamrf:.1} sentences/s",
+        "steamrf ({:?} forward pass, {precision}, {} worker(s), batches of {}, length-sorted): {} texts, {:.1} tokens/text, {best:.2} s, {steamrf:.1} sentences/s",
         cfg.backend,
         embed::workers(&cfg),
         cfg.batch_size,
         texts.len(),
         tokens as f64 / texts.len() as f64
     ));
+    out.push(format!(
+        "steamrf at f32, same texts: {:.2} s, {f32_rate:.1} sentences/s; {precision} is {:.2}x f32, lowest cosine to the f32 vectors {cos_min:.5} over {} texts",
+        reference32.secs,
+        steamrf / f32_rate,
+        texts.len()
+    ));
+    let ours = format!(
+        "precision={precision} steamrf_sentences_per_s={steamrf:.1} f32_sentences_per_s={f32_rate:.1} ratio_vs_f32={:.3} cos_min={cos_min:.5}",
+        steamrf / f32_rate
+    );
     if b.no_reference {
         out.push(format!(
-            "RESULT steamrf_sentences_per_s={steamrf:.1} reference_sentences_per_s=nan ratio=nan"
+            "RESULT {ours} reference_sentences_per_s=nan torch_bf16_sentences_per_s=nan ratio=nan ratio_vs_torch_bf16=nan"
         ));
         return Ok(out);
     }
@@ -145,6 +176,7 @@ pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
         .arg("--model")
         .arg(&cfg.model_dir)
         .args(["--batch-size", &cfg.batch_size.to_string()])
+        .arg("--bf16")
         .stderr(Stdio::inherit())
         .output()
         .map_err(|source| Error::Io {
@@ -161,22 +193,28 @@ pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
             message: format!("st_bench.py output: {e}"),
         })?;
     let reference = report["sentences_per_s"].as_f64().unwrap_or(f64::NAN);
+    let bf16 = report["bf16_sentences_per_s"].as_f64().unwrap_or(f64::NAN);
     let mut max_diff = 0.0f32;
     if let Some(vs) = report["vectors"].as_array() {
         for (i, v) in vs.iter().enumerate() {
             for (j, x) in v.as_array().into_iter().flatten().enumerate() {
                 let x = x.as_f64().unwrap_or(f64::NAN) as f32;
-                max_diff = max_diff.max((x - vectors[i * dim + j]).abs());
+                max_diff = max_diff.max((x - reference32.vectors[i * dim + j]).abs());
             }
         }
     }
     out.push(format!(
-        "sentence-transformers {} (torch {}, {} threads, batch {}): {reference:.1} sentences/s; max abs difference over the first 50 vectors: {max_diff:.1e}",
-        "6.2.0", report["torch"].as_str().unwrap_or("?"), report["threads"], cfg.batch_size
+        "sentence-transformers {} (torch {}, {} threads, batch {}): f32 {reference:.1} sentences/s, bf16 autocast {bf16:.1} (lowest cosine to its f32 vectors {}); steamrf f32's max abs difference over the first 50 vectors: {max_diff:.1e}",
+        "6.2.0",
+        report["torch"].as_str().unwrap_or("?"),
+        report["threads"],
+        cfg.batch_size,
+        report["bf16_cos_min"]
     ));
     out.push(format!(
-        "RESULT steamrf_sentences_per_s={steamrf:.1} reference_sentences_per_s={reference:.1} ratio={:.3}",
-        steamrf / reference
+        "RESULT {ours} reference_sentences_per_s={reference:.1} torch_bf16_sentences_per_s={bf16:.1} ratio={:.3} ratio_vs_torch_bf16={:.3}",
+        steamrf / reference,
+        steamrf / bf16
     ));
     Ok(out)
 }

@@ -1,0 +1,179 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as u64 * 2654435761 + seed * 97) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+fn f32_linear(x: &[f32], w: &[f32], bias: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; t * n];
+    for i in 0..t {
+        for j in 0..n {
+            out[i * n + j] = bias[j] + (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum::<f32>();
+        }
+    }
+    out
+}
+
+fn both() -> [Format; 2] {
+    [Format::Int16, Format::Int8]
+}
+
+proptest! {
+    /// VNNI and the scalar reference compute the same integers on odd shapes
+    /// (row tails, channel tails, k not a multiple of the group), NaN inputs
+    /// included.
+    #[test]
+    fn vnni_matches_the_scalar_reference(t in 0usize..20, k in 1usize..70, n in 1usize..110, seed in 0u64..1000) {
+        let mut x = values(t * k, seed);
+        if t > 0 {
+            x[(t * k - 1).min(17)] = f32::NAN;
+        }
+        let w = values(n * k, seed + 1);
+        let bias = values(n, seed + 2);
+        for format in both() {
+            let layer = QuantLinear::new(format, &w, &bias, n, k);
+            let mut fast = vec![f32::NAN; t * n];
+            let mut slow = vec![f32::NAN; t * n];
+            layer.forward(&mut fast, &x, t);
+            layer.forward_scalar(&mut slow, &x, t);
+            for (a, b) in fast.iter().zip(&slow) {
+                prop_assert!(a.is_finite(), "{format:?}: {a}");
+                prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{format:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Against f32 the error is the quantisation steps': with |x|, |w| <= 1,
+    /// at most k · (w step / 2 + x step / 2) per output.
+    #[test]
+    fn integer_layers_are_close_to_f32(t in 1usize..10, k in 1usize..300, n in 1usize..60, seed in 0u64..1000) {
+        let x = values(t * k, seed);
+        let w = values(n * k, seed + 5);
+        let bias = values(n, seed + 6);
+        let want = f32_linear(&x, &w, &bias, t, k, n);
+        for format in both() {
+            let layer = QuantLinear::new(format, &w, &bias, n, k);
+            let mut got = vec![0.0; t * n];
+            layer.forward(&mut got, &x, t);
+            let (w_max, a_max) = format.limits(k);
+            let x_step = if format == Format::Int8 { 2.0 / a_max } else { 1.0 / a_max };
+            let bound = k as f32 * (0.5 / w_max + 0.5 * x_step) * 1.01 + 1e-4;
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!((a - b).abs() <= bound, "{format:?}: {a} vs {b} (bound {bound})");
+            }
+        }
+    }
+
+    /// The AVX-512 quantisers give the scalar ones' values.
+    #[test]
+    fn quantisers_agree(k in 1usize..90, seed in 0u64..1000, nan in 0usize..90) {
+        let mut x = values(k, seed);
+        x[nan % k] = f32::NAN;
+        prop_assert_eq!(min_max(&x), min_max_body(&x));
+        let (lo, hi) = min_max(&x);
+        let (mut a, mut b) = (vec![7u8; 2 * k], vec![7u8; 2 * k]);
+        codes_i16(&x, 1000.0, 1182.0, &mut a);
+        codes_i16_body(&x, 1000.0, 1182.0, &mut b);
+        prop_assert_eq!(&a, &b);
+        let inv = 255.0 / (hi - lo);
+        codes_u8(&x, lo, inv, &mut a[..k]);
+        codes_u8_body(&x, lo, inv, &mut b[..k]);
+        prop_assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn int16_sums_cannot_overflow() {
+    // The largest k · a_max · w_max stays below 2^31 for every k.
+    for k in [1, 2, 3, 384, 1536, 4096, 1 << 20] {
+        let (w, a) = Format::Int16.limits(k);
+        assert!(
+            (k as f64) * f64::from(w) * f64::from(a) < 2f64.powi(31),
+            "k = {k}"
+        );
+    }
+    // All inputs and weights at the extreme: the sum is still exact.
+    let (t, k, n) = (3, 1536, 20);
+    let x = vec![-1.0f32; t * k];
+    let w = vec![-1.0f32; n * k];
+    let layer = QuantLinear::new(Format::Int16, &w, &vec![0.0; n], n, k);
+    let mut out = vec![0.0; t * n];
+    layer.forward(&mut out, &x, t);
+    assert!(
+        out.iter().all(|&v| (v - 1536.0).abs() < 1e-2),
+        "{:?}",
+        &out[..3]
+    );
+}
+
+#[test]
+fn the_suite_says_which_integer_path_it_ran() {
+    // A visible line per machine: which path the parity tests above exercised.
+    eprintln!(
+        "integer linear layers: {} on this CPU",
+        if vnni_available() {
+            "AVX-512 VNNI kernels (vpdpwssd, vpdpbusd) and the scalar reference"
+        } else {
+            "scalar reference only (no AVX-512 VNNI)"
+        }
+    );
+}
+
+#[test]
+fn constant_rows_and_zero_weights_are_exact() {
+    let x = vec![0.25f32; 3 * 8];
+    let w = vec![0.0f32; 5 * 8];
+    for format in both() {
+        let layer = QuantLinear::new(format, &w, &[1.0, 2.0, 3.0, 4.0, 5.0], 5, 8);
+        let mut out = vec![0.0; 15];
+        layer.forward(&mut out, &x, 3);
+        assert_eq!(out[..5], [1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(layer.weight(4, 7), 0.0);
+    }
+}
+
+#[test]
+#[ignore = "timing, by hand: cargo test --release -p steamrf-kernels quant::tests::timing -- --ignored --nocapture"]
+fn timing() {
+    use std::time::Instant;
+    for (t, k, n) in [
+        (1184usize, 384usize, 1152usize),
+        (1184, 384, 1536),
+        (1184, 1536, 384),
+        (12, 384, 1152),
+    ] {
+        let x = values(t * k, 1);
+        let w = values(n * k, 2);
+        let b = vec![0.0f32; n];
+        let mut out = vec![0.0f32; t * n];
+        let reps = (2_000_000_000 / (t * k * n)).max(1);
+        let mut time = |f: &mut dyn FnMut(&mut [f32])| {
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let s = Instant::now();
+                for _ in 0..reps {
+                    f(&mut out);
+                }
+                best = best.min(s.elapsed().as_secs_f64() / reps as f64);
+            }
+            best
+        };
+        let f32s = time(&mut |o| crate::nn::linear(o, &x, &w, &b, t, k, n));
+        let flop = 2.0 * (t * k * n) as f64;
+        let mut line = format!("{t}x{k}x{n}: f32 {:.0} GFLOP/s", flop / f32s / 1e9);
+        for format in both() {
+            let layer = QuantLinear::new(format, &w, &b, n, k);
+            let s = time(&mut |o| layer.forward(o, &x, t));
+            line += &format!(
+                ", {format:?} {:.0} G op/s ({:.2}x)",
+                flop / s / 1e9,
+                f32s / s
+            );
+        }
+        eprintln!("{line}");
+    }
+}
