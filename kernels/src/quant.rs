@@ -623,3 +623,6 @@ mod vnni {
 
 #[cfg(test)]
 mod tests;
+
+mod search;
+pub use search::{QuantKernel, SLACK};

@@ -333,9 +333,13 @@ enum BenchCmd {
         /// `cpu` (beside numpy/OpenBLAS) or `cuda` (beside cuBLAS GEMM only).
         #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
         backend: String,
-        /// `f32` or `f16` (CUDA only).
-        #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+        /// `f32`; `f16` (CUDA only); `int8` (CPU: int8 scoring on AVX-512 VNNI
+        /// with exact f32 rescoring, timed beside the f32 kernel in the same run).
+        #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "int8"])]
         precision: String,
+        /// With `--precision int8`: candidates rescored exactly per query, × k.
+        #[arg(long, default_value_t = 4)]
+        rescore: usize,
     },
     /// The event decoder's fast path beside serde alone, on the ingest bench's events.
     Decode {
@@ -788,6 +792,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     python,
                     backend,
                     precision,
+                    rescore,
                 },
         } => {
             let b = bench::SimilarityBench {
@@ -798,6 +803,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 python,
                 backend,
                 precision,
+                rescore,
             };
             let lines = tokio::task::spawn_blocking(move || bench::similarity(&b)).await??;
             Ok(print_lines(&lines))

@@ -23,8 +23,10 @@ pub struct SimilarityBench {
     pub python: PathBuf,
     /// `cpu` (reference: numpy/OpenBLAS) or `cuda` (reference: cuBLAS GEMM only).
     pub backend: String,
-    /// `f32` or `f16` (CUDA only).
+    /// `f32`, `f16` (CUDA only) or `int8` (CPU only).
     pub precision: String,
+    /// With `int8`: candidates rescored exactly per query, × k.
+    pub rescore: usize,
 }
 
 /// `steamrf bench similarity --backend cuda`: the CUDA kernel (cuBLAS GEMM +
@@ -138,6 +140,42 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
         .flat_map(|(f, s)| f.iter().zip(s).map(|(a, b)| (a.score - b.score).abs()))
         .fold(0.0f32, f32::max);
     out.push(format!("  parity with the scalar reference (4 queries x {sample_rows} rows): max score difference {max_diff:.2e}; {} result lists", hits.len()));
+    let (mut precision, mut ratio_vs_f32, mut recall) = ("f32", 1.0, 1.0);
+    if b.precision == "int8" {
+        let quant = steamrf_kernels::quant::QuantKernel::new(b.rescore).map_err(internal)?;
+        // The first call also builds the int8 copy of the corpus: timed apart.
+        let t = Instant::now();
+        quant
+            .top_k(&queries[..b.dim.min(queries.len())], &corpus, &params)
+            .map_err(internal)?;
+        let build = t.elapsed().as_secs_f64();
+        let mut best8 = f64::INFINITY;
+        let mut hits8 = Vec::new();
+        for _ in 0..2 {
+            let t = Instant::now();
+            hits8 = quant.top_k(&queries, &corpus, &params).map_err(internal)?;
+            best8 = best8.min(t.elapsed().as_secs_f64());
+        }
+        let (found, total) = hits
+            .iter()
+            .zip(&hits8)
+            .fold((0, 0), |(f, n), (exact, got)| {
+                let hit = |h: &&steamrf_kernels::Hit| got.iter().any(|g| g.index == h.index);
+                (f + exact.iter().filter(hit).count(), n + exact.len())
+            });
+        precision = "int8";
+        ratio_vs_f32 = best / best8;
+        recall = found as f64 / total.max(1) as f64;
+        out.push(format!(
+            "steamrf int8 kernel (AVX-512 VNNI, {} threads, {} x k candidates rescored in f32): {best8:.2} s, {:.1} G op/s, {ratio_vs_f32:.2}x the f32 kernel; recall@{} against it {recall:.4}; int8 copy of the corpus {:.0} MiB (f32 {:.0} MiB), built in {build:.2} s",
+            quant.threads,
+            quant.rescore,
+            flops / best8 / 1e9,
+            b.k,
+            quant.shadow_bytes() as f64 / (1 << 20) as f64,
+            (corpus.as_slice().len() * 4) as f64 / (1 << 20) as f64,
+        ));
+    }
 
     let output = Command::new(&b.python)
         .arg("scripts/blas_bench.py")
@@ -176,8 +214,9 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
         report["blas"]
     ));
     out.push(format!(
-        "RESULT steamrf_gflops={steamrf_gflops:.1} blas_gflops={blas_gflops:.1} ratio={:.3}",
-        steamrf_gflops / blas_gflops
+        "RESULT steamrf_gflops={steamrf_gflops:.1} blas_gflops={blas_gflops:.1} ratio={:.3} precision={precision} ratio_vs_f32={ratio_vs_f32:.3} recall_at_{}={recall:.4}",
+        steamrf_gflops / blas_gflops,
+        b.k
     ));
     Ok(out)
 }
