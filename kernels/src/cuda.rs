@@ -522,24 +522,61 @@ pub enum Choice {
     Cpu,
 }
 
-/// Builds the kernel for `choice`, logging which backend runs and why.
+/// How the CPU kernel scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuPrecision {
+    /// int8 ([`crate::quant::QuantKernel`]) where the CPU has AVX-512 VNNI, else f32.
+    Auto,
+    /// [`CpuKernel`]: exact f32.
+    F32,
+    /// int8 scoring with exact f32 rescoring, or an error without VNNI.
+    Int8,
+}
+
+/// Builds the kernel for `choice`, logging which backend runs and why. On
+/// the CPU, `cpu` picks f32 or int8 (rescoring `k · rescore` candidates).
 ///
 /// # Errors
-/// Only for [`Choice::Cuda`] without a usable device.
-pub fn select(choice: Choice, precision: Precision) -> Result<Arc<dyn SimilarityKernel>> {
-    match choice {
-        Choice::Cpu => {
-            tracing::info!(backend = "cpu", "Similarity kernel: CPU (configured).");
-            Ok(Arc::new(CpuKernel::default()))
+/// [`Choice::Cuda`] without a usable device; [`CpuPrecision::Int8`] on a
+/// CPU without AVX-512 VNNI.
+pub fn select(
+    choice: Choice,
+    precision: Precision,
+    cpu: CpuPrecision,
+    rescore: usize,
+) -> Result<Arc<dyn SimilarityKernel>> {
+    let on_cpu = |why: &str| -> Result<Arc<dyn SimilarityKernel>> {
+        match (cpu, crate::quant::QuantKernel::new(rescore)) {
+            (CpuPrecision::Auto | CpuPrecision::Int8, Ok(k)) => {
+                tracing::info!(
+                    backend = "cpu",
+                    precision = "int8",
+                    rescore,
+                    "Similarity kernel: CPU, int8 with exact rescoring ({why})."
+                );
+                Ok(Arc::new(k))
+            }
+            (CpuPrecision::Int8, Err(e)) => Err(e),
+            _ => {
+                tracing::info!(
+                    backend = "cpu",
+                    precision = "f32",
+                    "Similarity kernel: CPU ({why})."
+                );
+                Ok(Arc::new(CpuKernel::default()))
+            }
         }
+    };
+    match choice {
+        Choice::Cpu => on_cpu("configured"),
         Choice::Cuda | Choice::Auto => match CudaKernel::new(0, precision) {
             Ok(k) => {
                 tracing::info!(backend = "cuda", device = %k.name, ?precision, "Similarity kernel: CUDA.");
                 Ok(Arc::new(k))
             }
             Err(e) if choice == Choice::Auto => {
-                tracing::info!(backend = "cpu", reason = %e, "Similarity kernel: CPU (no usable CUDA device).");
-                Ok(Arc::new(CpuKernel::default()))
+                tracing::info!(reason = %e, "No usable CUDA device.");
+                on_cpu("no usable CUDA device")
             }
             Err(e) => Err(e),
         },

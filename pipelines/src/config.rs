@@ -220,6 +220,12 @@ pub struct SteamConfig {
     /// Device storage precision: f32 or f16.
     #[serde(deserialize_with = "kernel_precision")]
     pub precision: steamrf_kernels::cuda::Precision,
+    /// How the CPU kernel scores: auto (int8 where the CPU has AVX-512
+    /// VNNI), f32 or int8.
+    #[serde(deserialize_with = "cpu_precision")]
+    pub cpu_precision: steamrf_kernels::cuda::CpuPrecision,
+    /// With int8 scoring: candidates rescored exactly per query, × k1.
+    pub rescore: usize,
     /// Where links, communities and prototypes are kept.
     pub communities: CommunitiesMode,
     /// The internal topic of memory changes (`communities = "topic"`).
@@ -272,6 +278,20 @@ fn kernel_choice<'de, D: Deserializer<'de>>(
         "cpu" => Ok(Choice::Cpu),
         other => Err(de::Error::custom(format!(
             "unknown kernel {other:?} (expected auto, cuda or cpu)"
+        ))),
+    }
+}
+
+fn cpu_precision<'de, D: Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<steamrf_kernels::cuda::CpuPrecision, D::Error> {
+    use steamrf_kernels::cuda::CpuPrecision;
+    match String::deserialize(d)?.as_str() {
+        "auto" => Ok(CpuPrecision::Auto),
+        "f32" => Ok(CpuPrecision::F32),
+        "int8" => Ok(CpuPrecision::Int8),
+        other => Err(de::Error::custom(format!(
+            "unknown cpu_precision {other:?} (expected auto, f32 or int8)"
         ))),
     }
 }
@@ -1106,6 +1126,12 @@ impl Config {
         }
         if st.max_memories_per_user == 0 {
             p.push("steam.max_memories_per_user: must be > 0".to_owned());
+        }
+        if st.rescore == 0 || st.rescore > 1000 {
+            p.push(format!(
+                "steam.rescore: must be between 1 and 1000, got {}",
+                st.rescore
+            ));
         }
         if st.enabled && e.engine == EmbedEngine::Off {
             p.push("steam.enabled: needs embeddings (embed.engine is off)".to_owned());

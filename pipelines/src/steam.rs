@@ -1465,10 +1465,15 @@ pub fn kernel(
     config: &crate::config::Config,
     metrics: &Metrics,
 ) -> Result<Arc<dyn SimilarityKernel>> {
-    let kernel = steamrf_kernels::cuda::select(config.steam.kernel, config.steam.precision)
-        .map_err(|e| Error::Config {
-            problems: vec![format!("steam.kernel: {e}")],
-        })?;
+    let kernel = steamrf_kernels::cuda::select(
+        config.steam.kernel,
+        config.steam.precision,
+        config.steam.cpu_precision,
+        config.steam.rescore,
+    )
+    .map_err(|e| Error::Config {
+        problems: vec![format!("steam.kernel: {e}")],
+    })?;
     metrics
         .kernel_backend
         .with_label_values(&[kernel.backend().as_str()])

@@ -38,9 +38,9 @@ fn no_device_is_an_error_and_auto_falls_back_to_cpu() {
         Ok(k) => assert!(driver, "a device without libcuda? {k:?}"),
         Err(Error::Unavailable { backend, .. }) => {
             assert_eq!(backend, Backend::Cuda);
-            let k = select(Choice::Auto, Precision::F32).unwrap();
+            let k = select(Choice::Auto, Precision::F32, CpuPrecision::Auto, 4).unwrap();
             assert_eq!(k.backend(), Backend::Cpu);
-            assert!(select(Choice::Cuda, Precision::F32).is_err());
+            assert!(select(Choice::Cuda, Precision::F32, CpuPrecision::Auto, 4).is_err());
             assert!(
                 !gpu_required(),
                 "STEAMRF_REQUIRE_GPU is set but no device works"
@@ -48,10 +48,19 @@ fn no_device_is_an_error_and_auto_falls_back_to_cpu() {
         }
         Err(e) => panic!("{e}"),
     }
-    assert_eq!(
-        select(Choice::Cpu, Precision::F32).unwrap().backend(),
-        Backend::Cpu
-    );
+    for cpu in [CpuPrecision::Auto, CpuPrecision::F32] {
+        assert_eq!(
+            select(Choice::Cpu, Precision::F32, cpu, 4)
+                .unwrap()
+                .backend(),
+            Backend::Cpu
+        );
+    }
+    // int8 on request: the kernel where the CPU has VNNI, a named error elsewhere.
+    match select(Choice::Cpu, Precision::F32, CpuPrecision::Int8, 4) {
+        Ok(k) => assert!(crate::quant::vnni_available(), "{:?}", k.backend()),
+        Err(e) => assert!(e.to_string().contains("VNNI"), "{e}"),
+    }
 }
 
 fn device() -> Option<CudaKernel> {

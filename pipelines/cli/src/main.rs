@@ -385,6 +385,10 @@ enum BenchCmd {
         /// Embedding dimension.
         #[arg(long, default_value_t = 384)]
         dim: usize,
+        /// The CPU kernel's scoring (`steam.cpu_precision`): `int8` also times
+        /// the f32 kernel's relation extraction on the same batches.
+        #[arg(long, default_value = "f32", value_parser = ["f32", "int8"])]
+        precision: String,
     },
     /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
     Embed {
@@ -849,6 +853,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     batches,
                     full_recompute,
                     dim,
+                    precision,
                 },
         } => {
             let b = bench::CommunitiesBench {
@@ -857,6 +862,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 batches,
                 full_recompute,
                 dim,
+                int8: precision == "int8",
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
             Ok(print_lines(&lines))

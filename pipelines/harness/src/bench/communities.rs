@@ -22,6 +22,9 @@ pub struct CommunitiesBench {
     pub full_recompute: bool,
     /// Embedding dimension.
     pub dim: usize,
+    /// Score with the int8 kernel (exact rescoring), and time the f32
+    /// kernel's extraction on the same batches beside it.
+    pub int8: bool,
 }
 
 /// `steamrf bench communities`: time per batch of relation extraction plus
@@ -44,7 +47,16 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     };
     let mut out = Vec::new();
     let params = SteamParams::default();
-    let kernel = CpuKernel::default();
+    let f32_kernel = CpuKernel::default();
+    let int8_kernel = if b.int8 {
+        Some(steamrf_kernels::quant::QuantKernel::new(4).map_err(internal)?)
+    } else {
+        None
+    };
+    let kernel: &dyn SimilarityKernel = match &int8_kernel {
+        Some(k) => k,
+        None => &f32_kernel,
+    };
     let users = (b.memories / 10).max(10);
     let topics = (b.memories / 200).max(2);
     let mut synth = Synth::new(topics, b.dim);
@@ -100,7 +112,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         let corpus = Corpus::from_rows(&rows, b.dim).map_err(internal)?;
         let user = |id: u64| (id - 1) as usize % users;
         let exclude = |q: usize, c: usize| user(members[q]) == user(members[c]);
-        let hits = kernel
+        let hits = f32_kernel
             .top_k(
                 &rows,
                 &corpus,
@@ -141,6 +153,9 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     // Incremental batches.
     let mut next_id = b.memories as u64 + 1;
     let mut times = Vec::new();
+    let mut f32_times = Vec::new();
+    let mut extract_times = Vec::new();
+    let (mut links, mut links_found) = (0usize, 0usize);
     let mut last = None;
     for _ in 0..b.batches.max(1) {
         let mut ids = Vec::with_capacity(b.batch);
@@ -154,9 +169,28 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             ids.push(mid(next_id));
             next_id += 1;
         }
+        if int8_kernel.is_some() {
+            // The f32 kernel's extraction of the same batch, before the
+            // int8 one links it: the reference and the recall of its links.
+            let t = Instant::now();
+            let exact = state.link_dry_run(&f32_kernel, &ids).map_err(internal)?;
+            f32_times.push(t.elapsed().as_secs_f64() * 1e3);
+            let got: std::collections::HashSet<_> = state
+                .link_dry_run(kernel, &ids)
+                .map_err(internal)?
+                .into_iter()
+                .map(|l| (l.from, l.to))
+                .collect();
+            links += exact.len();
+            links_found += exact
+                .iter()
+                .filter(|l| got.contains(&(l.from, l.to)))
+                .count();
+        }
         let t = Instant::now();
-        let o = state.link(&kernel, &ids).map_err(internal)?;
+        let o = state.link(kernel, &ids).map_err(internal)?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
+        extract_times.push(o.extract_time.as_secs_f64() * 1e3);
         last = Some(o);
     }
     let mut sorted = times.clone();
@@ -188,7 +222,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let t = Instant::now();
     for block in all.chunks(b.batch).take(measured) {
         // The same call the incremental path makes, for `batch` memories.
-        let _ = state.link_dry_run(&kernel, block).map_err(internal)?;
+        let _ = state.link_dry_run(kernel, block).map_err(internal)?;
     }
     let per_block = t.elapsed().as_secs_f64() * 1e3 / measured as f64;
     let extraction_ms = per_block * blocks as f64;
@@ -209,9 +243,26 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "peak memory (VmHWM): {:.2} GiB",
         rss_bytes("VmHWM:") as f64 / (1u64 << 30) as f64
     ));
+    let precision = if b.int8 { "int8" } else { "f32" };
+    let mut extra = String::new();
+    if b.int8 {
+        f32_times.sort_by(f64::total_cmp);
+        let f32_ms = f32_times[f32_times.len() / 2];
+        let recall = links_found as f64 / links.max(1) as f64;
+        extract_times.sort_by(f64::total_cmp);
+        let extract_ms = extract_times[extract_times.len() / 2];
+        out.push(format!(
+            "relation extraction alone, same batches: int8 median {extract_ms:.0} ms, f32 {f32_ms:.0} ms; the int8 kernel found {links_found} of the f32 kernel's {links} links (recall {recall:.4})"
+        ));
+        extra = format!(
+            " f32_extract_ms={f32_ms:.1} ratio_vs_f32={:.3} link_recall={recall:.4}",
+            f32_ms / extract_ms
+        );
+    }
     out.push(format!(
-        "RESULT incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1}",
-        recompute_ms / incremental_ms
+        "RESULT incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1} changed_per_s={:.0} precision={precision}{extra}",
+        recompute_ms / incremental_ms,
+        b.batch as f64 / incremental_ms * 1e3
     ));
     Ok(out)
 }
