@@ -66,18 +66,16 @@ impl SimilarityKernel for CpuKernel {
         let block_rows = self.block_rows.max(1);
         let query_block = self.query_block.max(1);
         let blocks = n.div_ceil(block_rows);
-        let threads = self.threads.clamp(1, blocks);
-        let next = AtomicUsize::new(0);
-        let worker = || {
-            let mut heaps: Vec<TopK> = (0..m).map(|_| TopK::new(params.k)).collect();
-            // Sized to the call: a single query over a small corpus (the
-            // retrieval service's case) must not zero a 2 MiB tile.
-            let mut scratch = vec![0.0f32; query_block.min(m) * block_rows.min(n)];
-            loop {
-                let b = next.fetch_add(1, Ordering::Relaxed);
-                if b >= blocks {
-                    break;
-                }
+        // Sized to the call: a single query over a small corpus (the
+        // retrieval service's case) must not zero a 2 MiB tile.
+        let scratch = query_block.min(m) * block_rows.min(n);
+        let heaps = search_blocks(
+            self.threads,
+            blocks,
+            m,
+            params.k,
+            scratch,
+            |b, scratch, heaps| {
                 let start = b * block_rows;
                 let rows = block_rows.min(n - start);
                 let block = &corpus.as_slice()[start * dim..(start + rows) * dim];
@@ -87,31 +85,62 @@ impl SimilarityKernel for CpuKernel {
                     scores(&mut scratch[..qs * rows], lhs, block, qs, rows, dim);
                     for (i, scores) in scratch[..qs * rows].chunks_exact(rows).enumerate() {
                         let qi = q0 + i;
-                        scan(&mut heaps[qi], scores, start, qi, params);
+                        scan(&mut heaps[qi], scores, start, qi, params.min_score, params);
                     }
                 }
-            }
-            heaps
-        };
-        let mut per_thread: Vec<Vec<TopK>> = if threads == 1 {
-            vec![worker()]
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads).map(|_| s.spawn(worker)).collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("kernel worker panicked"))
-                    .collect()
-            })
-        };
-        let mut merged = per_thread.pop().unwrap_or_default();
-        for other in per_thread {
-            for (a, b) in merged.iter_mut().zip(other) {
-                a.merge(b);
-            }
-        }
-        Ok(merged.into_iter().map(TopK::into_sorted).collect())
+            },
+        );
+        Ok(heaps.into_iter().map(TopK::into_sorted).collect())
     }
+}
+
+/// The blocked search both CPU kernels run: `threads` workers take the
+/// `blocks` in turn, each with its own `scratch_len` floats and one top-`keep`
+/// collector per query; `block(b, scratch, heaps)` scores block `b` into
+/// them. Returns the merged collectors.
+pub(crate) fn search_blocks<F>(
+    threads: usize,
+    blocks: usize,
+    queries: usize,
+    keep: usize,
+    scratch_len: usize,
+    block: F,
+) -> Vec<TopK>
+where
+    F: Fn(usize, &mut [f32], &mut [TopK]) + Sync,
+{
+    let threads = threads.clamp(1, blocks.max(1));
+    let next = AtomicUsize::new(0);
+    let worker = || {
+        let mut heaps: Vec<TopK> = (0..queries).map(|_| TopK::new(keep)).collect();
+        let mut scratch = vec![0.0f32; scratch_len];
+        loop {
+            let b = next.fetch_add(1, Ordering::Relaxed);
+            if b >= blocks {
+                break;
+            }
+            block(b, &mut scratch, &mut heaps);
+        }
+        heaps
+    };
+    let mut per_thread: Vec<Vec<TopK>> = if threads == 1 {
+        vec![worker()]
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads).map(|_| s.spawn(worker)).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("kernel worker panicked"))
+                .collect()
+        })
+    };
+    let mut merged = per_thread.pop().unwrap_or_default();
+    for other in per_thread {
+        for (a, b) in merged.iter_mut().zip(other) {
+            a.merge(b);
+        }
+    }
+    merged
 }
 
 /// Queries per GEMM up to which scores are computed row by row instead.
@@ -221,10 +250,19 @@ fn tile(dst: &mut [f32], lhs: &[f32], block: &[f32], qs: usize, rows: usize, dim
     }
 }
 
-/// Feeds one query's scores over one block into its collector.
+/// Feeds one query's scores over one block into its collector: scores at or
+/// above `floor` (`params.min_score`, or lower for approximate scores), pairs
+/// `params.exclude` rejects skipped.
 #[inline]
-fn scan(heap: &mut TopK, scores: &[f32], start: usize, qi: usize, params: &SearchParams<'_>) {
-    let mut threshold = heap.threshold().max(params.min_score);
+pub(crate) fn scan(
+    heap: &mut TopK,
+    scores: &[f32],
+    start: usize,
+    qi: usize,
+    floor: f32,
+    params: &SearchParams<'_>,
+) {
+    let mut threshold = heap.threshold().max(floor);
     for (j, &score) in scores.iter().enumerate() {
         // `>=` keeps ties; the collector breaks them by index.
         if score >= threshold {
@@ -236,7 +274,7 @@ fn scan(heap: &mut TopK, scores: &[f32], start: usize, qi: usize, params: &Searc
                 index: ci as u32,
                 score,
             });
-            threshold = heap.threshold().max(params.min_score);
+            threshold = heap.threshold().max(floor);
         }
     }
 }

@@ -165,19 +165,9 @@ impl QuantLinear {
         }
     }
 
-    /// The format.
-    pub fn format(&self) -> Format {
-        self.format
-    }
-
     /// Output channels.
     pub fn outputs(&self) -> usize {
         self.n
-    }
-
-    /// Inputs per row.
-    pub fn inputs(&self) -> usize {
-        self.k
     }
 
     /// Bytes held (weights, scales, sums, bias).

@@ -11,10 +11,10 @@
 //! `steamrf bench similarity --precision int8` measures (recall@k against
 //! the f32 kernel).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::{Format, QuantLinear, vnni_available};
+use crate::cpu::{scan, search_blocks};
 use crate::{
     Backend, Corpus, Error, Hit, Result, SearchParams, SimilarityKernel, TopK, dot, prepare_queries,
 };
@@ -116,9 +116,10 @@ impl QuantKernel {
                 }
                 s.blocks.truncate(blocks);
                 for (b, stale) in stale.into_iter().enumerate() {
+                    // A grown last block is in the logged range of its new rows.
                     if b >= s.blocks.len() {
                         s.blocks.push(build(b));
-                    } else if stale || s.blocks[b].outputs() != ((b + 1) * rows).min(n) - b * rows {
+                    } else if stale {
                         s.blocks[b] = build(b);
                     }
                 }
@@ -160,59 +161,28 @@ impl SimilarityKernel for QuantKernel {
         let blocks = self.blocks(corpus);
         let rows = self.block_rows.max(1);
         let query_block = self.query_block.max(1);
-        let candidates = params.k.saturating_mul(self.rescore);
         let floor = params.min_score - SLACK;
-        let threads = self.threads.clamp(1, blocks.len());
-        let next = AtomicUsize::new(0);
-        let worker = || {
-            let mut heaps: Vec<TopK> = (0..m).map(|_| TopK::new(candidates)).collect();
-            let mut scratch = vec![0.0f32; query_block.min(m) * rows.min(n)];
-            loop {
-                let b = next.fetch_add(1, Ordering::Relaxed);
-                let Some(block) = blocks.get(b) else { break };
-                let (start, len) = (b * rows, block.outputs());
+        let scratch = query_block.min(m) * rows.min(n);
+        let candidates = params.k.saturating_mul(self.rescore);
+        let merged = search_blocks(
+            self.threads,
+            blocks.len(),
+            m,
+            candidates,
+            scratch,
+            |b, scratch, heaps| {
+                let (block, start) = (&blocks[b], b * rows);
+                let len = block.outputs();
                 for q0 in (0..m).step_by(query_block) {
                     let qs = query_block.min(m - q0);
                     let tile = &mut scratch[..qs * len];
                     block.forward(tile, &q[q0 * dim..(q0 + qs) * dim], qs);
                     for (i, scores) in tile.chunks_exact(len).enumerate() {
-                        let (qi, heap) = (q0 + i, &mut heaps[q0 + i]);
-                        let mut threshold = heap.threshold().max(floor);
-                        for (j, &score) in scores.iter().enumerate() {
-                            if score >= threshold {
-                                let ci = start + j;
-                                if params.exclude.is_some_and(|f| f(qi, ci)) {
-                                    continue;
-                                }
-                                heap.push(Hit {
-                                    index: ci as u32,
-                                    score,
-                                });
-                                threshold = heap.threshold().max(floor);
-                            }
-                        }
+                        scan(&mut heaps[q0 + i], scores, start, q0 + i, floor, params);
                     }
                 }
-            }
-            heaps
-        };
-        let mut per_thread: Vec<Vec<TopK>> = if threads == 1 {
-            vec![worker()]
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads).map(|_| s.spawn(worker)).collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("kernel worker panicked"))
-                    .collect()
-            })
-        };
-        let mut merged = per_thread.pop().unwrap_or_default();
-        for other in per_thread {
-            for (a, b) in merged.iter_mut().zip(other) {
-                a.merge(b);
-            }
-        }
+            },
+        );
         // Exact scores decide the order and the floor.
         Ok(merged
             .into_iter()

@@ -163,13 +163,13 @@ impl MiniLm {
 
         let weights_path = file("model.safetensors");
         let mut opts = opts;
-        opts.precision = match (opts.backend, opts.precision.resolve()) {
+        // `auto` on candle means f32; an explicit integer format is refused there.
+        let wanted = match (opts.backend, opts.precision) {
+            (Backend::Candle, Precision::Auto) => Precision::F32,
+            (_, p) => p.resolve(),
+        };
+        opts.precision = match (opts.backend, wanted) {
             (_, Precision::F32 | Precision::Auto) => Precision::F32,
-            // `auto` on candle means f32; an explicit integer format is refused.
-            (Backend::Candle, p) if opts.precision == Precision::Auto => {
-                debug_assert_ne!(p, Precision::F32);
-                Precision::F32
-            }
             (Backend::Candle, p) => {
                 return Err(EmbedError::Unsupported(format!(
                     "precision \"{}\" needs the native backend; candle runs f32",

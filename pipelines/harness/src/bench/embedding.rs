@@ -25,6 +25,8 @@ pub(super) struct Timed {
     pub(super) tokens: u64,
     /// The embedder's vector length.
     pub(super) dim: usize,
+    /// The number format it ran at (`f32`, `int16`, `int8`).
+    pub(super) precision: &'static str,
 }
 
 /// Loads the local engine of `cfg`, warms it up, then embeds `texts` `runs`
@@ -54,6 +56,7 @@ pub(super) async fn time_embedder(
         vectors: Vec::new(),
         tokens: 0,
         dim: embedder.dim(),
+        precision: embedder.precision(),
     };
     for _ in 0..runs.max(1) {
         let t = Instant::now();
@@ -114,23 +117,23 @@ pub async fn embed(b: EmbedBench) -> Result<Vec<String>> {
     cfg.engine = EmbedEngine::Local;
     let mut f32_cfg = cfg.clone();
     f32_cfg.precision = EmbedPrecision::F32;
-    let precision = embed::embedder(&cfg)?
-        .map_or("off", |e| e.precision())
-        .to_owned();
-    // f32 first, then the configured precision: each the best of two runs.
-    let reference32 = time_embedder(&f32_cfg, &texts, b.chunk, 2).await?;
-    let configured = if precision == "f32" {
+    // The configured precision, then f32 unless that is what ran: each the
+    // best of two runs.
+    let configured = time_embedder(&cfg, &texts, b.chunk, 2).await?;
+    let precision = configured.precision;
+    let f32_run = if precision == "f32" {
         None
     } else {
-        Some(time_embedder(&cfg, &texts, b.chunk, 2).await?)
+        Some(time_embedder(&f32_cfg, &texts, b.chunk, 2).await?)
     };
-    let timed = configured.as_ref().unwrap_or(&reference32);
+    let reference32 = f32_run.as_ref().unwrap_or(&configured);
     let Timed {
         secs: best,
         ref vectors,
         tokens,
         dim,
-    } = *timed;
+        ..
+    } = configured;
     let steamrf = texts.len() as f64 / best;
     let f32_rate = texts.len() as f64 / reference32.secs;
     let cos_min = vectors
