@@ -150,7 +150,14 @@ where
 const DIRECT_MAX_QUERIES: usize = 8;
 
 /// `dst (qs × rows) = lhs (qs × dim) · blockᵀ (dim × rows)`, all row-major.
-fn scores(dst: &mut [f32], lhs: &[f32], block: &[f32], qs: usize, rows: usize, dim: usize) {
+pub(crate) fn scores(
+    dst: &mut [f32],
+    lhs: &[f32],
+    block: &[f32],
+    qs: usize,
+    rows: usize,
+    dim: usize,
+) {
     if qs <= DIRECT_MAX_QUERIES {
         direct(dst, lhs, block, rows, dim);
     } else {
@@ -262,11 +269,25 @@ pub(crate) fn scan(
     floor: f32,
     params: &SearchParams<'_>,
 ) {
+    scan_mapped(heap, scores, |j| start + j, qi, floor, params);
+}
+
+/// [`scan`] for scores of rows that are not contiguous in the corpus:
+/// `row(j)` is the corpus row of score `j`.
+#[inline]
+pub(crate) fn scan_mapped(
+    heap: &mut TopK,
+    scores: &[f32],
+    row: impl Fn(usize) -> usize,
+    qi: usize,
+    floor: f32,
+    params: &SearchParams<'_>,
+) {
     let mut threshold = heap.threshold().max(floor);
     for (j, &score) in scores.iter().enumerate() {
         // `>=` keeps ties; the collector breaks them by index.
         if score >= threshold {
-            let ci = start + j;
+            let ci = row(j);
             if params.exclude.is_some_and(|f| f(qi, ci)) {
                 continue;
             }

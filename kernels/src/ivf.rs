@@ -11,6 +11,13 @@
 //!   scans the `probes` best lists with the CPU kernel and merges their
 //!   top-k. Approximate: `steamrf bench retrieve` reports its recall against
 //!   the exact search.
+//! - [`IvfKernel`]: an inverted file kept up to date with a changing corpus
+//!   (its change log), as a [`SimilarityKernel`] for relation extraction at
+//!   millions of memories (see [`live`]).
+
+mod live;
+
+pub use live::{IvfKernel, IvfKernelParams, IvfStats};
 
 use crate::cpu::CpuKernel;
 use crate::{Corpus, Hit, Result, SearchParams, SimilarityKernel, TopK, invalid};
@@ -97,6 +104,85 @@ pub fn kmeans(points: &[f32], dim: usize, k: usize, iters: usize) -> Result<Vec<
     Ok(labels)
 }
 
+/// Lists for `n` rows: `configured`, or `sqrt(n)` when 0; at least 1, at most `n`.
+pub(crate) fn lists_for(n: usize, configured: usize) -> usize {
+    if configured == 0 {
+        ((n as f64).sqrt().round() as usize).max(1)
+    } else {
+        configured.clamp(1, n.max(1))
+    }
+}
+
+/// The coarse quantiser: spherical k-means (cosine; [`Corpus`] keeps
+/// centroids unit-length) over a strided sample of `lists · per_list` rows,
+/// seeded with evenly spaced sample rows, `iters` Lloyd rounds. An emptied
+/// list keeps its centroid.
+pub(crate) fn train(
+    corpus: &Corpus,
+    lists: usize,
+    per_list: usize,
+    iters: usize,
+    kernel: &CpuKernel,
+) -> Result<Corpus> {
+    let (n, dim) = (corpus.len(), corpus.dim());
+    let sample_n = (lists * per_list.max(1)).min(n);
+    let stride = (n / sample_n.max(1)).max(1);
+    let mut sample = Vec::with_capacity(sample_n * dim);
+    for i in (0..n).step_by(stride).take(sample_n) {
+        sample.extend_from_slice(corpus.row(i));
+    }
+    let sample = Corpus::from_vec(sample, dim)?;
+    let seed_stride = (sample.len() / lists.max(1)).max(1);
+    let mut centres = Vec::with_capacity(lists * dim);
+    for i in (0..sample.len()).step_by(seed_stride).take(lists) {
+        centres.extend_from_slice(sample.row(i));
+    }
+    let mut centroids = Corpus::from_vec(centres, dim)?;
+    for _ in 0..iters {
+        let assign = kernel.top_k(sample.as_slice(), &centroids, &SearchParams::top(1))?;
+        let k = centroids.len();
+        let mut sums = vec![0.0f32; k * dim];
+        let mut counts = vec![0usize; k];
+        for (i, hits) in assign.iter().enumerate() {
+            if let Some(h) = hits.first() {
+                let c = h.index as usize;
+                counts[c] += 1;
+                for (s, v) in sums[c * dim..(c + 1) * dim].iter_mut().zip(sample.row(i)) {
+                    *s += v;
+                }
+            }
+        }
+        for c in 0..k {
+            if counts[c] == 0 {
+                sums[c * dim..(c + 1) * dim].copy_from_slice(centroids.row(c));
+            }
+        }
+        centroids = Corpus::from_vec(sums, dim)?;
+    }
+    Ok(centroids)
+}
+
+/// The nearest centroid of each of `corpus`'s rows `rows`, in chunks of
+/// 64k rows on `kernel`'s threads.
+pub(crate) fn assign(
+    corpus: &Corpus,
+    rows: std::ops::Range<usize>,
+    centroids: &Corpus,
+    kernel: &CpuKernel,
+) -> Result<Vec<u32>> {
+    let dim = corpus.dim();
+    let mut out = Vec::with_capacity(rows.len());
+    let chunk = 65_536;
+    for start in rows.clone().step_by(chunk) {
+        let end = (start + chunk).min(rows.end);
+        let q = &corpus.as_slice()[start * dim..end * dim];
+        for hits in kernel.top_k(q, centroids, &SearchParams::top(1))? {
+            out.push(hits.first().map_or(0, |h| h.index));
+        }
+    }
+    Ok(out)
+}
+
 /// How an [`Ivf`] is built and searched.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct IvfParams {
@@ -139,63 +225,23 @@ impl Ivf {
     /// # Errors
     /// Kernel errors (none for a valid corpus).
     pub fn build(corpus: &Corpus, p: &IvfParams, kernel: &CpuKernel) -> Result<Self> {
-        let (n, dim) = (corpus.len(), corpus.dim());
-        let lists = if p.lists == 0 {
-            ((n as f64).sqrt().round() as usize).max(1)
-        } else {
-            p.lists.clamp(1, n.max(1))
-        };
-        // Train on a strided sample; seed with evenly spaced sample rows.
-        let sample_n = (lists * p.train_per_list.max(1)).min(n);
-        let stride = (n / sample_n.max(1)).max(1);
-        let mut sample = Vec::with_capacity(sample_n * dim);
-        for i in (0..n).step_by(stride).take(sample_n) {
-            sample.extend_from_slice(corpus.row(i));
-        }
-        let sample = Corpus::from_vec(sample, dim)?;
-        let seed_stride = (sample.len() / lists).max(1);
-        let mut centres = Vec::with_capacity(lists * dim);
-        for i in (0..sample.len()).step_by(seed_stride).take(lists) {
-            centres.extend_from_slice(sample.row(i));
-        }
-        let mut centroids = Corpus::from_vec(centres, dim)?;
-        for _ in 0..p.iters {
-            let assign = kernel.top_k(sample.as_slice(), &centroids, &SearchParams::top(1))?;
-            let k = centroids.len();
-            let mut sums = vec![0.0f32; k * dim];
-            let mut counts = vec![0usize; k];
-            for (i, hits) in assign.iter().enumerate() {
-                if let Some(h) = hits.first() {
-                    let c = h.index as usize;
-                    counts[c] += 1;
-                    for (s, v) in sums[c * dim..(c + 1) * dim].iter_mut().zip(sample.row(i)) {
-                        *s += v;
-                    }
-                }
-            }
-            for c in 0..k {
-                if counts[c] == 0 {
-                    sums[c * dim..(c + 1) * dim].copy_from_slice(centroids.row(c));
-                }
-            }
-            centroids = Corpus::from_vec(sums, dim)?;
-        }
-        // Assign every row.
+        let n = corpus.len();
+        let centroids = train(
+            corpus,
+            lists_for(n, p.lists),
+            p.train_per_list,
+            p.iters,
+            kernel,
+        )?;
         let k = centroids.len();
         let mut ids: Vec<Vec<u32>> = vec![Vec::new(); k];
-        let chunk = 65_536;
-        for start in (0..n).step_by(chunk) {
-            let end = (start + chunk).min(n);
-            let q = &corpus.as_slice()[start * dim..end * dim];
-            for (i, hits) in kernel
-                .top_k(q, &centroids, &SearchParams::top(1))?
-                .iter()
-                .enumerate()
-            {
-                let c = hits.first().map_or(0, |h| h.index as usize);
-                ids[c].push((start + i) as u32);
-            }
+        for (i, c) in assign(corpus, 0..n, &centroids, kernel)?
+            .into_iter()
+            .enumerate()
+        {
+            ids[c as usize].push(i as u32);
         }
+        let dim = corpus.dim();
         let mut data = Vec::with_capacity(k);
         for list in &ids {
             let mut rows = Vec::with_capacity(list.len() * dim);

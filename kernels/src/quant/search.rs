@@ -110,8 +110,9 @@ impl QuantKernel {
                 let blocks = n.div_ceil(rows);
                 let mut stale = vec![false; blocks];
                 for r in ranges {
-                    for b in r.start / rows..r.end.div_ceil(rows).min(blocks) {
-                        stale[b] = true;
+                    let end = r.end.div_ceil(rows).min(blocks);
+                    if let Some(hit) = stale.get_mut(r.start / rows..end) {
+                        hit.fill(true);
                     }
                 }
                 s.blocks.truncate(blocks);
@@ -238,7 +239,7 @@ mod tests {
             kernel.query_block = 3;
             let mut corpus = Corpus::from_rows(&rows(n, dim, seed), dim).unwrap();
             let queries = rows(5, dim, seed + 1);
-            let exclude = |q: usize, c: usize| (q + c) % 7 == 0;
+            let exclude = |q: usize, c: usize| (q + c).is_multiple_of(7);
             let params = SearchParams { k, min_score: floor, exclude: Some(&exclude) };
             for round in 0..3 {
                 let got = kernel.top_k(&queries, &corpus, &params).unwrap();
