@@ -16,6 +16,18 @@
 //! - nothing else is touched, so a batch costs what its edges reach, not the
 //!   size of the graph.
 //!
+//! Connected components percolate: with enough links one component swallows
+//! most memories (the w/o-MC ablation grew one of 92k), its prototype says
+//! nothing, and every batch that touches it rebuilds it. So a community may
+//! be capped ([`Communities::with_cap`], `steam.max_community`): a new link
+//! between two communities whose sizes together exceed the cap stays a link
+//! (neighbours still see it) but merges nothing. A community is then a
+//! connected part of its component, at most `cap` members, grown by links
+//! in the order they came; after a split, links that were refused are not
+//! re-examined until one of their memories is linked again. From the final
+//! graph alone, [`Communities::from_graph_capped`] takes the links in id
+//! order instead, so a restart may cut a component elsewhere (same cap).
+//!
 //! A community's id is a member's memory id: the id of the larger side
 //! survives a merge (ties: the smaller id), and after a split each part takes
 //! its smallest member id. Given the same sequence of batches the ids are the
@@ -54,6 +66,9 @@ pub struct CommunityDelta {
     pub relabelled: u64,
     /// The memories whose community id changed or that are new (to persist).
     pub moved: BTreeSet<MemoryId>,
+    /// New links that joined two communities whose sizes together exceed
+    /// the cap: kept as links, not merged.
+    pub refused: u64,
 }
 
 /// The link graph and its communities.
@@ -62,12 +77,28 @@ pub struct Communities {
     adj: HashMap<MemoryId, BTreeSet<MemoryId>>,
     label: HashMap<MemoryId, MemoryId>,
     members: HashMap<MemoryId, BTreeSet<MemoryId>>,
+    /// Largest community a merge may make (0: unbounded).
+    cap: usize,
 }
 
 impl Communities {
     /// An empty graph.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty graph whose communities never grow past `cap` members by a
+    /// merge (0: unbounded, the connected components). See the module docs.
+    pub fn with_cap(cap: usize) -> Self {
+        Self {
+            cap,
+            ..Self::default()
+        }
+    }
+
+    /// The size cap (0: unbounded).
+    pub fn cap(&self) -> usize {
+        self.cap
     }
 
     /// The community of `m`.
@@ -127,7 +158,19 @@ impl Communities {
         nodes: impl IntoIterator<Item = MemoryId>,
         edges: impl IntoIterator<Item = (MemoryId, MemoryId)>,
     ) -> Self {
-        let mut c = Self::default();
+        Self::from_graph_capped(nodes, edges, 0)
+    }
+
+    /// [`Communities::from_graph`] under a size cap (0: unbounded). With a
+    /// cap, the edges are taken in order (smaller endpoint first) and each
+    /// joins its two communities unless together they exceed the cap; each
+    /// community is named by its smallest member.
+    pub fn from_graph_capped(
+        nodes: impl IntoIterator<Item = MemoryId>,
+        edges: impl IntoIterator<Item = (MemoryId, MemoryId)>,
+        cap: usize,
+    ) -> Self {
+        let mut c = Self::with_cap(cap);
         for n in nodes {
             c.adj.entry(n).or_default();
         }
@@ -139,6 +182,10 @@ impl Communities {
         }
         let mut order: Vec<MemoryId> = c.adj.keys().copied().collect();
         order.sort_unstable();
+        if cap > 0 {
+            c.capped_partition(&order);
+            return c;
+        }
         for start in order {
             if c.label.contains_key(&start) {
                 continue;
@@ -158,6 +205,44 @@ impl Communities {
             c.members.insert(start, part);
         }
         c
+    }
+
+    /// Size-capped union-find over the sorted edges (see
+    /// [`Communities::from_graph_capped`]).
+    fn capped_partition(&mut self, order: &[MemoryId]) {
+        fn root(parent: &mut [usize], mut i: usize) -> usize {
+            while parent[i] != i {
+                parent[i] = parent[parent[i]];
+                i = parent[i];
+            }
+            i
+        }
+        let index: HashMap<MemoryId, usize> =
+            order.iter().enumerate().map(|(i, &m)| (m, i)).collect();
+        let mut parent: Vec<usize> = (0..order.len()).collect();
+        let mut size = vec![1usize; order.len()];
+        for (i, &a) in order.iter().enumerate() {
+            for b in &self.adj[&a] {
+                let j = index[b];
+                if j <= i {
+                    continue;
+                }
+                let (ra, rb) = (root(&mut parent, i), root(&mut parent, j));
+                if ra == rb || size[ra] + size[rb] > self.cap {
+                    continue;
+                }
+                // The smaller root index (the smaller member id) survives.
+                let (keep, fold) = (ra.min(rb), ra.max(rb));
+                parent[fold] = keep;
+                size[keep] += size[fold];
+            }
+        }
+        for (i, &m) in order.iter().enumerate() {
+            let r = root(&mut parent, i);
+            let id = order[r];
+            self.label.insert(m, id);
+            self.members.entry(id).or_default().insert(m);
+        }
     }
 
     fn ensure_node(&mut self, m: MemoryId, delta: &mut CommunityDelta) {
@@ -242,6 +327,10 @@ impl Communities {
             return;
         }
         let (sa, sb) = (self.members[&ca].len(), self.members[&cb].len());
+        if self.cap > 0 && sa + sb > self.cap {
+            delta.refused += 1;
+            return;
+        }
         // The larger community keeps its id (ties: the smaller id); the
         // other's members are relabelled through a queue.
         let (keep, fold) = if sa > sb || (sa == sb && ca < cb) {
@@ -281,8 +370,10 @@ impl Communities {
             seen.insert(start);
             while let Some(m) = queue.pop_front() {
                 part.insert(m);
+                // Only links inside the old community: with a cap, a member
+                // may also link to members of other communities.
                 for &n in self.adj.get(&m).into_iter().flatten() {
-                    if seen.insert(n) {
+                    if old.contains(&n) && seen.insert(n) {
                         queue.push_back(n);
                     }
                 }
@@ -411,6 +502,40 @@ mod tests {
         assert_eq!(c.members(c.community_of(m(1)).unwrap()).unwrap().len(), 6);
     }
 
+    #[test]
+    fn a_cap_keeps_links_but_refuses_merges_past_it() {
+        let mut c = Communities::with_cap(3);
+        c.apply(&GraphBatch {
+            add_edges: vec![(m(1), m(2)), (m(2), m(3)), (m(4), m(5))],
+            ..GraphBatch::default()
+        });
+        assert_eq!(c.count(), 2);
+        let d = c.apply(&GraphBatch {
+            add_edges: vec![(m(3), m(4))],
+            ..GraphBatch::default()
+        });
+        assert_eq!((d.merges, d.refused), (0, 1));
+        assert_eq!(c.neighbours(m(3)).collect::<Vec<_>>(), vec![m(2), m(4)]);
+        assert_ne!(c.community_of(m(3)), c.community_of(m(4)));
+        // A split walks only its own community's links.
+        let d = c.apply(&GraphBatch {
+            remove_edges: vec![(m(2), m(3))],
+            ..GraphBatch::default()
+        });
+        assert_eq!(d.splits, 1);
+        assert_eq!(c.members(m(3)).unwrap().len(), 1);
+        assert_eq!(c.members(m(4)).unwrap().len(), 2);
+        // From scratch: links in id order, the smallest member names each.
+        let f = Communities::from_graph_capped([], c.edges(), 3);
+        assert_eq!(
+            f.partition(),
+            BTreeSet::from([
+                BTreeSet::from([m(1), m(2)]),
+                BTreeSet::from([m(3), m(4), m(5)]),
+            ])
+        );
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Add(Vec<(u8, u8)>, Vec<u8>),
@@ -473,6 +598,59 @@ mod tests {
                 let nodes: Vec<MemoryId> = c.adj.keys().copied().collect();
                 prop_assert_eq!(c.partition(), partition_from_scratch(nodes.clone(), &c.edges()));
                 prop_assert_eq!(c.partition(), Communities::from_graph(nodes, c.edges()).partition());
+            }
+        }
+
+        /// Under a cap, after any batches: no community is larger than the
+        /// cap, each is connected by its own links, and (with additions
+        /// only) every link between two communities was refused because
+        /// they would exceed it together. The same holds from scratch.
+        #[test]
+        fn capped_communities_stay_small_and_connected(
+            ops in prop::collection::vec(op(), 1..25),
+            cap in 1usize..8,
+        ) {
+            let mut c = Communities::with_cap(cap);
+            let mut removed = false;
+            for op in &ops {
+                let batch = match op {
+                    Op::Add(e, n) => GraphBatch {
+                        add_edges: e.iter().map(|&(a, b)| (mid(a), mid(b))).collect(),
+                        add_nodes: n.iter().map(|&x| mid(x)).collect(),
+                        ..GraphBatch::default()
+                    },
+                    Op::Remove(e, n) => {
+                        removed = true;
+                        GraphBatch {
+                            remove_edges: e.iter().map(|&(a, b)| (mid(a), mid(b))).collect(),
+                            remove_nodes: n.iter().map(|&x| mid(x)).collect(),
+                            ..GraphBatch::default()
+                        }
+                    }
+                };
+                c.apply(&batch);
+                let nodes: Vec<MemoryId> = c.adj.keys().copied().collect();
+                let scratch = Communities::from_graph_capped(nodes, c.edges(), cap);
+                for g in [&c, &scratch] {
+                    for (id, ms) in g.iter() {
+                        prop_assert!(ms.len() <= cap);
+                        prop_assert!(ms.contains(&id));
+                        for m in ms {
+                            prop_assert_eq!(g.community_of(*m), Some(id));
+                        }
+                        let inner: Vec<_> = g.edges().into_iter()
+                            .filter(|(a, b)| ms.contains(a) && ms.contains(b)).collect();
+                        prop_assert_eq!(partition_from_scratch(ms.iter().copied(), &inner).len(), 1);
+                    }
+                }
+                if !removed {
+                    for (a, b) in c.edges() {
+                        let (ca, cb) = (c.community_of(a).unwrap(), c.community_of(b).unwrap());
+                        if ca != cb {
+                            prop_assert!(c.members(ca).unwrap().len() + c.members(cb).unwrap().len() > cap);
+                        }
+                    }
+                }
             }
         }
 

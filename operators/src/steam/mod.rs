@@ -46,6 +46,9 @@ pub struct SteamParams {
     /// ([`relations::tenant_of`]); memories of different tenants are never
     /// linked, so communities and prototypes stay within one. `None`: one tenant.
     pub tenant_separator: Option<char>,
+    /// Largest community a merge may make (0: unbounded, the connected
+    /// components of the link graph); see [`community`].
+    pub max_community: usize,
 }
 
 impl Default for SteamParams {
@@ -56,6 +59,7 @@ impl Default for SteamParams {
             link_tau: 0.5,
             min_users: 3,
             tenant_separator: None,
+            max_community: 1000,
         }
     }
 }
@@ -135,7 +139,7 @@ pub struct LinkOutcome {
 }
 
 /// The whole write-path state.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SteamState {
     params: SteamParams,
     users: BTreeMap<String, UserMemories>,
@@ -157,7 +161,7 @@ impl SteamState {
             users: BTreeMap::new(),
             owner: HashMap::new(),
             index: MemoryIndex::new(dim).with_tenant_separator(params.tenant_separator),
-            communities: Communities::new(),
+            communities: Communities::with_cap(params.max_community),
             out_links: HashMap::new(),
             prototypes: HashMap::new(),
             catalogue: HashMap::new(),
@@ -563,7 +567,11 @@ impl SteamState {
             .filter(|l| self.owner.contains_key(&l.from) && self.owner.contains_key(&l.to))
             .map(|l| (l.from, l.to))
             .collect();
-        self.communities = Communities::from_graph(self.owner.keys().copied(), edges);
+        self.communities = Communities::from_graph_capped(
+            self.owner.keys().copied(),
+            edges,
+            self.params.max_community,
+        );
         self.prototypes.clear();
         let mut out = LinkOutcome::default();
         out.delta.changed = self.communities.iter().map(|(c, _)| c).collect();
