@@ -226,6 +226,17 @@ pub struct SteamConfig {
     pub cpu_precision: steamrf_kernels::cuda::CpuPrecision,
     /// With int8 scoring: candidates rescored exactly per query, × k1.
     pub rescore: usize,
+    /// How relation extraction searches: auto (an IVF on the CPU, exact on
+    /// CUDA), exact, or ivf.
+    pub relation_index: RelationIndex,
+    /// IVF lists (0: the square root of the memories at each training).
+    pub ivf_lists: usize,
+    /// IVF lists searched per changed memory.
+    pub ivf_probes: usize,
+    /// Below this many memories relation extraction is exact.
+    pub ivf_min_memories: usize,
+    /// Largest community a link may grow by merging (0: unbounded).
+    pub max_community: usize,
     /// Where links, communities and prototypes are kept.
     pub communities: CommunitiesMode,
     /// The internal topic of memory changes (`communities = "topic"`).
@@ -256,6 +267,19 @@ impl SteamConfig {
             self.changes_retention.as_millis().to_string(),
         )]
     }
+}
+
+/// How relation extraction finds a changed memory's nearest memories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RelationIndex {
+    /// [`RelationIndex::Ivf`] on the CPU kernel, [`RelationIndex::Exact`] on CUDA.
+    Auto,
+    /// Every memory scored (the reference).
+    Exact,
+    /// An inverted file kept up to date with the memories
+    /// (`steamrf_kernels::ivf::IvfKernel`), exact below `ivf_min_memories`.
+    Ivf,
 }
 
 /// Where community maintenance runs.
@@ -379,6 +403,7 @@ impl SteamConfig {
             link_tau: self.link_tau,
             min_users: self.min_users,
             tenant_separator: None,
+            max_community: self.max_community,
         }
     }
 }
@@ -1126,6 +1151,9 @@ impl Config {
         }
         if st.max_memories_per_user == 0 {
             p.push("steam.max_memories_per_user: must be > 0".to_owned());
+        }
+        if st.ivf_probes == 0 {
+            p.push("steam.ivf_probes: must be at least 1".to_owned());
         }
         if st.rescore == 0 || st.rescore > 1000 {
             p.push(format!(

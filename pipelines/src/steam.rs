@@ -1478,7 +1478,36 @@ pub fn kernel(
         .kernel_backend
         .with_label_values(&[kernel.backend().as_str()])
         .set(1);
-    Ok(kernel)
+    Ok(relation_index(&config.steam, kernel))
+}
+
+/// `kernel` behind the IVF of `steam.relation_index`, or as it is.
+pub fn relation_index(
+    steam: &crate::config::SteamConfig,
+    kernel: Arc<dyn SimilarityKernel>,
+) -> Arc<dyn SimilarityKernel> {
+    use crate::config::RelationIndex;
+    use steamrf_kernels::ivf::{IvfKernel, IvfKernelParams};
+    let on_cpu = kernel.backend() == steamrf_kernels::Backend::Cpu;
+    match steam.relation_index {
+        RelationIndex::Exact => kernel,
+        RelationIndex::Auto if !on_cpu => kernel,
+        RelationIndex::Auto | RelationIndex::Ivf => {
+            let params = IvfKernelParams {
+                lists: steam.ivf_lists,
+                probes: steam.ivf_probes,
+                min_rows: steam.ivf_min_memories,
+                ..IvfKernelParams::default()
+            };
+            tracing::info!(
+                lists = params.lists,
+                probes = params.probes,
+                min_memories = params.min_rows,
+                "Relation extraction: IVF over the memories (exact below min_memories)."
+            );
+            Arc::new(IvfKernel::new(params, kernel))
+        }
+    }
 }
 
 #[cfg(test)]

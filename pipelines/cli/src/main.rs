@@ -385,10 +385,29 @@ enum BenchCmd {
         /// Embedding dimension.
         #[arg(long, default_value_t = 384)]
         dim: usize,
-        /// The CPU kernel's scoring (`steam.cpu_precision`): `int8` also times
-        /// the f32 kernel's relation extraction on the same batches.
+        /// The CPU kernel's scoring (`steam.cpu_precision`) where the search
+        /// is exhaustive; `int8` also runs the exact f32 writer on the same
+        /// batches.
         #[arg(long, default_value = "f32", value_parser = ["f32", "int8"])]
         precision: String,
+        /// Relation extraction (`steam.relation_index`): `ivf` also runs the
+        /// exact f32 writer on the same batches (link recall, community agreement).
+        #[arg(long, default_value = "ivf", value_parser = ["exact", "ivf"])]
+        index: String,
+        /// IVF lists probed per changed memory (`steam.ivf_probes`).
+        #[arg(long, default_value_t = 16)]
+        probes: usize,
+        /// `steam.max_community` (0: unbounded).
+        #[arg(long, default_value_t = 1000)]
+        max_community: usize,
+        /// One real text per line (e.g. dialogue turns), embedded with the
+        /// configured model: memories mix 1-3 neighbouring texts instead of
+        /// synthetic topics.
+        #[arg(long)]
+        texts: Option<PathBuf>,
+        /// Configuration file (the embedder, for --texts).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
     Embed {
@@ -854,8 +873,24 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     full_recompute,
                     dim,
                     precision,
+                    index,
+                    probes,
+                    max_community,
+                    texts,
+                    config,
                 },
         } => {
+            let texts = match texts {
+                Some(path) => {
+                    let config = Config::load(config.as_deref())?;
+                    Some(
+                        bench::embed_file(&config.embed, &path)
+                            .await
+                            .context("bench communities --texts")?,
+                    )
+                }
+                None => None,
+            };
             let b = bench::CommunitiesBench {
                 memories,
                 batch,
@@ -863,6 +898,10 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 full_recompute,
                 dim,
                 int8: precision == "int8",
+                ivf: index == "ivf",
+                probes,
+                max_community,
+                texts,
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
             Ok(print_lines(&lines))

@@ -22,7 +22,7 @@ mod texts;
 
 pub use communities::{CommunitiesBench, communities};
 pub use decode::{DecodeBench, decode_bench};
-pub use embedding::{EmbedBench, embed};
+pub use embedding::{EmbedBench, embed, embed_file};
 pub use hammer::{HammerBench, hammer};
 pub use index::{IndexBench, index};
 pub use ingest::IngestBench;
@@ -122,7 +122,13 @@ struct Synth {
     rng: rand::rngs::StdRng,
     centres: Vec<f32>,
     dim: usize,
+    /// Embedded real texts (`--texts`): memories mix them instead.
+    texts: Option<Vec<f32>>,
 }
+
+/// Consecutive texts a memory of real texts mixes (a conversation's
+/// neighbouring turns: one topic of one dialogue).
+const TEXT_WINDOW: usize = 16;
 
 impl Synth {
     fn new(topics: usize, dim: usize) -> Self {
@@ -131,6 +137,7 @@ impl Synth {
             rng: rand::rngs::StdRng::seed_from_u64(11),
             centres: Vec::with_capacity(topics * dim),
             dim,
+            texts: None,
         };
         for _ in 0..topics {
             let mut c: Vec<f32> = (0..dim).map(|_| s.gauss()).collect();
@@ -146,6 +153,47 @@ impl Synth {
         let u1: f32 = self.rng.random_range(f32::EPSILON..1.0);
         let u2: f32 = self.rng.random_range(0.0..1.0);
         (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+    }
+
+    /// Memories from embedded real texts (one per `dim` values, in their
+    /// file order): see [`Synth::text_memory`].
+    fn from_texts(vectors: Vec<f32>, dim: usize) -> Self {
+        let mut s = Self::new(0, dim);
+        s.texts = Some(vectors);
+        s
+    }
+
+    /// Texts, or 0 for topic centres.
+    fn text_count(&self) -> usize {
+        self.texts.as_ref().map_or(0, |t| t.len() / self.dim)
+    }
+
+    /// A memory of real texts: the normalised mean of 1–3 texts from one
+    /// window of [`TEXT_WINDOW`] consecutive texts, with a little noise
+    /// (cosine ~0.96 to the mean) so that no two memories are equal. Returns
+    /// it with its window (the memory's "topic").
+    fn text_memory(&mut self) -> (Vec<f32>, usize) {
+        use rand::Rng;
+        let n = self.text_count();
+        let start = self
+            .rng
+            .random_range(0..n.saturating_sub(TEXT_WINDOW).max(1));
+        let parts = self.rng.random_range(1..=3);
+        let mut v = vec![0.0f32; self.dim];
+        for _ in 0..parts {
+            let t = (start + self.rng.random_range(0..TEXT_WINDOW)).min(n - 1);
+            let Some(texts) = &self.texts else { break };
+            for (x, y) in v.iter_mut().zip(&texts[t * self.dim..(t + 1) * self.dim]) {
+                *x += y;
+            }
+        }
+        steamrf_operators::embed::normalize(&mut v);
+        let scale = 0.3 / (self.dim as f32).sqrt();
+        for x in &mut v {
+            *x += self.gauss() * scale;
+        }
+        steamrf_operators::embed::normalize(&mut v);
+        (v, start / TEXT_WINDOW)
     }
 
     fn memory(&mut self, topic: usize) -> Vec<f32> {

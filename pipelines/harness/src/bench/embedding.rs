@@ -76,6 +76,29 @@ pub(super) async fn time_embedder(
     Ok(timed)
 }
 
+/// The in-process embeddings of every non-empty line of `path`, `dim`
+/// values each, in file order (`bench communities --texts`).
+///
+/// # Errors
+/// The file unreadable or empty, or the model failing to load.
+pub async fn embed_file(cfg: &EmbedConfig, path: &std::path::Path) -> Result<Vec<f32>> {
+    let texts: Vec<String> = std::fs::read_to_string(path)
+        .map_err(|source| Error::Io {
+            context: format!("reading {}", path.display()),
+            source,
+        })?
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect();
+    if texts.is_empty() {
+        return Err(Error::Internal {
+            message: format!("{} has no text", path.display()),
+        });
+    }
+    Ok(time_embedder(cfg, &texts, 256, 1).await?.vectors)
+}
+
 /// Options of `steamrf bench embed`.
 #[derive(Debug, Clone)]
 pub struct EmbedBench {
