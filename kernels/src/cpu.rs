@@ -19,7 +19,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gemm::{Parallelism, gemm};
 
-use crate::{Backend, Corpus, Hit, Result, SearchParams, SimilarityKernel, TopK, prepare_queries};
+use crate::{
+    Backend, Corpus, Hit, Prepared, Result, SearchParams, SimilarityKernel, TopK, prepare_search,
+};
 
 /// Blocked, multi-threaded CPU kernel.
 #[derive(Debug, Clone, Copy)]
@@ -53,16 +55,13 @@ impl SimilarityKernel for CpuKernel {
         corpus: &Corpus,
         params: &SearchParams<'_>,
     ) -> Result<Vec<Vec<Hit>>> {
-        let q = prepare_queries(queries, corpus, params)?;
+        let q = match prepare_search(queries, corpus, params)? {
+            Prepared::Search(q) => q,
+            Prepared::Answered(hits) => return Ok(hits),
+        };
         let dim = corpus.dim();
         let m = q.len() / dim;
         let n = corpus.len();
-        if m == 0 {
-            return Ok(Vec::new());
-        }
-        if n == 0 || params.k == 0 {
-            return Ok(vec![Vec::new(); m]);
-        }
         let block_rows = self.block_rows.max(1);
         let query_block = self.query_block.max(1);
         let blocks = n.div_ceil(block_rows);

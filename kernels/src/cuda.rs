@@ -28,7 +28,9 @@ use cudarc::driver::{
 
 use crate::cpu::CpuKernel;
 use crate::topk::TopK;
-use crate::{Backend, Corpus, Error, Hit, Result, SearchParams, SimilarityKernel, prepare_queries};
+use crate::{
+    Backend, Corpus, Error, Hit, Prepared, Result, SearchParams, SimilarityKernel, prepare_search,
+};
 
 /// The top-k kernel's source.
 pub const TOPK_SOURCE: &str = include_str!("cuda/topk.cu");
@@ -457,11 +459,10 @@ impl SimilarityKernel for CudaKernel {
         corpus: &Corpus,
         params: &SearchParams<'_>,
     ) -> Result<Vec<Vec<Hit>>> {
-        let q = prepare_queries(queries, corpus, params)?;
-        let nq = q.len() / corpus.dim().max(1);
-        if params.k == 0 || corpus.is_empty() || nq == 0 {
-            return Ok(vec![Vec::new(); nq]);
-        }
+        let q = match prepare_search(queries, corpus, params)? {
+            Prepared::Search(q) => q,
+            Prepared::Answered(hits) => return Ok(hits),
+        };
         let slack = if params.exclude.is_some() {
             FILTER_SLACK
         } else {

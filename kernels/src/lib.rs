@@ -46,6 +46,8 @@ pub mod ivf;
 pub mod nn;
 pub mod quant;
 pub mod reference;
+#[cfg(test)]
+mod testdata;
 mod topk;
 
 use std::cmp::Ordering;
@@ -390,6 +392,30 @@ pub trait SimilarityKernel: Send + Sync {
         corpus: &Corpus,
         params: &SearchParams<'_>,
     ) -> Result<Vec<Vec<Hit>>>;
+}
+
+/// What a backend searches with, after [`prepare_search`].
+pub(crate) enum Prepared {
+    /// The normalised queries (at least one), over a non-empty corpus, k > 0.
+    Search(Vec<f32>),
+    /// The whole answer: no queries, or an empty hit list per query (empty
+    /// corpus, or k = 0).
+    Answered(Vec<Vec<Hit>>),
+}
+
+/// The shared start of every backend's `top_k`: validates and normalises
+/// the queries, and answers the calls that have nothing to search.
+pub(crate) fn prepare_search(
+    queries: &[f32],
+    corpus: &Corpus,
+    params: &SearchParams<'_>,
+) -> Result<Prepared> {
+    let q = prepare_queries(queries, corpus, params)?;
+    let m = q.len() / corpus.dim().max(1);
+    if m == 0 || corpus.is_empty() || params.k == 0 {
+        return Ok(Prepared::Answered(vec![Vec::new(); m]));
+    }
+    Ok(Prepared::Search(q))
 }
 
 /// Validates and normalises the queries of one call.

@@ -32,7 +32,9 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::cpu::{CpuKernel, scan_mapped, scores, search_blocks};
-use crate::{Backend, Corpus, Hit, Result, SearchParams, SimilarityKernel, TopK, prepare_queries};
+use crate::{
+    Backend, Corpus, Hit, Prepared, Result, SearchParams, SimilarityKernel, TopK, prepare_search,
+};
 
 use super::{assign, lists_for, train};
 
@@ -279,12 +281,12 @@ impl SimilarityKernel for IvfKernel {
         if n < self.params.min_rows.max(1) || params.k == 0 {
             return self.exact.top_k(queries, corpus, params);
         }
-        let q = prepare_queries(queries, corpus, params)?;
+        let q = match prepare_search(queries, corpus, params)? {
+            Prepared::Search(q) => q,
+            Prepared::Answered(hits) => return Ok(hits),
+        };
         let dim = corpus.dim();
         let m = q.len() / dim;
-        if m == 0 {
-            return Ok(Vec::new());
-        }
         let mut guard = self.index.lock().unwrap_or_else(PoisonError::into_inner);
         self.refresh(&mut guard, corpus)?;
         let Some(ix) = guard.as_ref() else {

@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::{Format, QuantLinear, vnni_available};
 use crate::cpu::{scan, search_blocks};
 use crate::{
-    Backend, Corpus, Error, Hit, Result, SearchParams, SimilarityKernel, TopK, dot, prepare_queries,
+    Backend, Corpus, Error, Hit, Prepared, Result, SearchParams, SimilarityKernel, TopK, dot,
+    prepare_search,
 };
 
 /// How far below `min_score` an int8 score may fall and still be rescored:
@@ -149,16 +150,13 @@ impl SimilarityKernel for QuantKernel {
         corpus: &Corpus,
         params: &SearchParams<'_>,
     ) -> Result<Vec<Vec<Hit>>> {
-        let q = prepare_queries(queries, corpus, params)?;
+        let q = match prepare_search(queries, corpus, params)? {
+            Prepared::Search(q) => q,
+            Prepared::Answered(hits) => return Ok(hits),
+        };
         let dim = corpus.dim();
         let m = q.len() / dim;
         let n = corpus.len();
-        if m == 0 {
-            return Ok(Vec::new());
-        }
-        if n == 0 || params.k == 0 {
-            return Ok(vec![Vec::new(); m]);
-        }
         let blocks = self.blocks(corpus);
         let rows = self.block_rows.max(1);
         let query_block = self.query_block.max(1);
@@ -212,18 +210,7 @@ mod tests {
 
     use super::*;
     use crate::reference::ScalarKernel;
-
-    /// Uniform in [-1, 1) by splitmix64: no structure across rows.
-    fn rows(n: usize, dim: usize, seed: u64) -> Vec<f32> {
-        (0..(n * dim) as u64)
-            .map(|i| {
-                let mut z = (i ^ (seed << 40)).wrapping_add(0x9E37_79B9_7F4A_7C15);
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                (z ^ (z >> 31)) as f32 / u64::MAX as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::testdata::uniform;
 
     proptest! {
         /// Against the scalar reference: the same hits with the same exact
@@ -237,8 +224,8 @@ mod tests {
             let Ok(mut kernel) = QuantKernel::new(1000) else { return Ok(()) };
             kernel.block_rows = 64;
             kernel.query_block = 3;
-            let mut corpus = Corpus::from_rows(&rows(n, dim, seed), dim).unwrap();
-            let queries = rows(5, dim, seed + 1);
+            let mut corpus = Corpus::from_rows(&uniform(n, dim, seed), dim).unwrap();
+            let queries = uniform(5, dim, seed + 1);
             let exclude = |q: usize, c: usize| (q + c).is_multiple_of(7);
             let params = SearchParams { k, min_score: floor, exclude: Some(&exclude) };
             for round in 0..3 {
@@ -253,9 +240,9 @@ mod tests {
                 }
                 // Grow, then change a row in place: the int8 copy follows.
                 if round == 0 {
-                    corpus.push_rows(&rows(70, dim, seed + 9)).unwrap();
+                    corpus.push_rows(&uniform(70, dim, seed + 9)).unwrap();
                 } else {
-                    corpus.set_row(n / 2, &rows(1, dim, seed + 11)).unwrap();
+                    corpus.set_row(n / 2, &uniform(1, dim, seed + 11)).unwrap();
                 }
             }
         }
@@ -269,8 +256,8 @@ mod tests {
         };
         eprintln!("int8 similarity: AVX-512 VNNI path");
         let dim = 384;
-        let corpus = Corpus::from_rows(&rows(20_000, dim, 3), dim).unwrap();
-        let queries = rows(20, dim, 4);
+        let corpus = Corpus::from_rows(&uniform(20_000, dim, 3), dim).unwrap();
+        let queries = uniform(20, dim, 4);
         let params = SearchParams::top(10);
         let got = kernel.top_k(&queries, &corpus, &params).unwrap();
         let want = crate::cpu::CpuKernel::default()

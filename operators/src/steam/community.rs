@@ -551,6 +551,24 @@ mod tests {
         ]
     }
 
+    /// `op` as a batch; a removal also drops the edges `also_remove`.
+    fn batch(op: &Op, also_remove: Vec<(MemoryId, MemoryId)>) -> GraphBatch {
+        let edges = |e: &[(u8, u8)]| e.iter().map(|&(a, b)| (mid(a), mid(b))).collect::<Vec<_>>();
+        let nodes = |n: &[u8]| n.iter().map(|&x| mid(x)).collect();
+        match op {
+            Op::Add(e, n) => GraphBatch {
+                add_edges: edges(e),
+                add_nodes: nodes(n),
+                ..GraphBatch::default()
+            },
+            Op::Remove(e, n) => GraphBatch {
+                remove_edges: [edges(e), also_remove].concat(),
+                remove_nodes: nodes(n),
+                ..GraphBatch::default()
+            },
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -560,23 +578,8 @@ mod tests {
         fn incremental_equals_from_scratch(ops in prop::collection::vec(op(), 1..25)) {
             let mut c = Communities::new();
             for op in &ops {
-                let batch = match op {
-                    Op::Add(e, n) => GraphBatch {
-                        add_edges: e.iter().map(|&(a, b)| (mid(a), mid(b))).collect(),
-                        add_nodes: n.iter().map(|&x| mid(x)).collect(),
-                        ..GraphBatch::default()
-                    },
-                    Op::Remove(e, n) => {
-                        // Remove some existing edges too, so splits happen often.
-                        let mut edges: Vec<_> = e.iter().map(|&(a, b)| (mid(a), mid(b))).collect();
-                        edges.extend(c.edges().into_iter().step_by(3));
-                        GraphBatch {
-                            remove_edges: edges,
-                            remove_nodes: n.iter().map(|&x| mid(x)).collect(),
-                            ..GraphBatch::default()
-                        }
-                    }
-                };
+                // Remove some existing edges too, so splits happen often.
+                let batch = batch(op, c.edges().into_iter().step_by(3).collect());
                 let delta = c.apply(&batch);
                 // Every reported community exists, every removed one does not.
                 for id in &delta.changed {
@@ -613,22 +616,8 @@ mod tests {
             let mut c = Communities::with_cap(cap);
             let mut removed = false;
             for op in &ops {
-                let batch = match op {
-                    Op::Add(e, n) => GraphBatch {
-                        add_edges: e.iter().map(|&(a, b)| (mid(a), mid(b))).collect(),
-                        add_nodes: n.iter().map(|&x| mid(x)).collect(),
-                        ..GraphBatch::default()
-                    },
-                    Op::Remove(e, n) => {
-                        removed = true;
-                        GraphBatch {
-                            remove_edges: e.iter().map(|&(a, b)| (mid(a), mid(b))).collect(),
-                            remove_nodes: n.iter().map(|&x| mid(x)).collect(),
-                            ..GraphBatch::default()
-                        }
-                    }
-                };
-                c.apply(&batch);
+                removed |= matches!(op, Op::Remove(..));
+                c.apply(&batch(op, Vec::new()));
                 let nodes: Vec<MemoryId> = c.adj.keys().copied().collect();
                 let scratch = Communities::from_graph_capped(nodes, c.edges(), cap);
                 for g in [&c, &scratch] {

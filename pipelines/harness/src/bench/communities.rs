@@ -144,14 +144,17 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         base.clone()
     };
     let users = (b.memories / 10).max(10);
-    let mut synth = match &b.texts {
-        Some(v) => Synth::from_texts(v.clone(), b.dim),
-        None => Synth::new((b.memories / 200).max(2), b.dim),
-    };
-    let topics = if b.texts.is_some() {
-        synth.text_count().div_ceil(super::TEXT_WINDOW)
-    } else {
-        (b.memories / 200).max(2)
+    // A memory's topic: its window of texts, or a synthetic centre.
+    let (mut synth, topics) = match &b.texts {
+        Some(v) => {
+            let s = Synth::from_texts(v.clone(), b.dim);
+            let windows = s.text_count().div_ceil(super::TEXT_WINDOW);
+            (s, windows)
+        }
+        None => {
+            let topics = (b.memories / 200).max(2);
+            (Synth::new(topics, b.dim), topics)
+        }
     };
     let draw = |synth: &mut Synth| -> (Vec<f32>, usize) {
         if synth.text_count() > 0 {
