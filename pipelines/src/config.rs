@@ -241,6 +241,8 @@ pub struct SteamConfig {
     pub communities: CommunitiesMode,
     /// The internal topic of memory changes (`communities = "topic"`).
     pub changes_topic: String,
+    /// Its partitions: one per concurrent community writer, keyed by tenant.
+    pub changes_partitions: u32,
     /// Its `retention.ms` when steamrf creates it.
     #[serde(with = "humantime_serde_compat")]
     pub changes_retention: Duration,
@@ -258,6 +260,9 @@ impl fmt::Debug for Secret {
         f.write_str(redact(&self.0))
     }
 }
+
+/// Most partitions of the changes topic (community writers at once).
+pub const MAX_CHANGES_PARTITIONS: u32 = 1024;
 
 impl SteamConfig {
     /// The changes topic's configs when steamrf creates it.
@@ -792,11 +797,18 @@ fn string_list<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<Strin
     }
 }
 
-/// Recursively merges `over` into `base`: tables merge, everything else replaces.
+/// Recursively merges `over` into `base`: tables merge, everything else
+/// replaces. A whole float over an integer default is that integer: Helm's
+/// `toToml` writes every YAML number as a float (`changes_partitions = 8.0`).
 fn merge(base: &mut Table, over: Table) {
     for (k, v) in over {
         match (base.get_mut(&k), v) {
             (Some(Value::Table(b)), Value::Table(o)) => merge(b, o),
+            (Some(Value::Integer(_)), Value::Float(f))
+                if f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 =>
+            {
+                base.insert(k, Value::Integer(f as i64));
+            }
             (_, v) => {
                 base.insert(k, v);
             }
@@ -1288,6 +1300,12 @@ impl Config {
                     self.steam.changes_retention
                 ));
             }
+            if !(1..=MAX_CHANGES_PARTITIONS).contains(&self.steam.changes_partitions) {
+                p.push(format!(
+                    "steam.changes_partitions: must be 1..={MAX_CHANGES_PARTITIONS}, got {}",
+                    self.steam.changes_partitions
+                ));
+            }
             if !valid_topic(&self.steam.changes_topic) {
                 p.push(format!(
                     "steam.changes_topic: {:?} is not a valid topic name",
@@ -1397,6 +1415,24 @@ mod tests {
         assert!(
             !dbg.contains("hunter2") && dbg.contains("<redacted>"),
             "{dbg}"
+        );
+    }
+
+    #[test]
+    fn whole_floats_from_helm_are_integers() {
+        // What Helm's toToml renders from `changes_partitions: 8`.
+        let f = file(
+            "[steam]\ncommunities = \"topic\"\nchanges_partitions = 8.0\n[batch]\nmax_rows = 500.0\n",
+        );
+        let c = Config::load_with_env(Some(f.path()), []).unwrap();
+        assert_eq!((c.steam.changes_partitions, c.batch.max_rows), (8, 500));
+        let p = problems("[steam]\ncommunities = \"topic\"\nchanges_partitions = 2.5\n");
+        assert!(p.iter().any(|p| p.contains("changes_partitions")), "{p:?}");
+        let p = problems("[steam]\ncommunities = \"topic\"\nchanges_partitions = 0\n");
+        assert!(
+            p.iter()
+                .any(|p| p.contains("steam.changes_partitions: must be 1..=1024")),
+            "{p:?}"
         );
     }
 

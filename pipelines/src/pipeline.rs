@@ -97,18 +97,28 @@ async fn run_inner(
         let llm = crate::steam::llm_client(&config)?;
         let kernel = crate::steam::kernel(&config, &metrics)?;
         let publish = if config.steam.communities == crate::config::CommunitiesMode::Topic {
-            // One partition: the single community writer reads it in order.
+            // Keyed by tenant: each partition is read in order by one writer.
+            let partitions = config.steam.changes_partitions;
             source::ensure_topic(
                 &config.kafka.brokers,
                 &config.kafka.properties,
                 &config.steam.changes_topic,
-                1,
+                partitions as i32,
                 &config.steam.changes_topic_configs(),
+            )
+            .await?;
+            source::check_partitions(
+                &config.kafka,
+                &config.steam.changes_topic,
+                partitions,
+                "steam.changes_partitions",
             )
             .await?;
             Some(crate::steam::ChangePublisher::new(
                 source::dead_letter_producer(&config.kafka)?,
                 config.steam.changes_topic.clone(),
+                partitions,
+                config.steam_params().tenant_separator,
             ))
         } else {
             None

@@ -291,6 +291,42 @@ pub async fn check_brokers(cfg: &KafkaConfig) -> Result<()> {
         )))
 }
 
+/// Checks that `topic` has exactly `want` partitions: a keyed topic with
+/// another count sends keys to other partitions than its readers expect.
+///
+/// # Errors
+/// [`Error::Config`] naming `setting` when the counts differ;
+/// [`Error::Kafka`] when the metadata cannot be read.
+pub async fn check_partitions(
+    cfg: &KafkaConfig,
+    topic: &str,
+    want: u32,
+    setting: &str,
+) -> Result<()> {
+    let client: BaseConsumer = base_client_config(cfg).create().map_err(Error::kafka(
+        "creating the client that reads topic metadata",
+    ))?;
+    let (timeout, name) = (cfg.connect_timeout, topic.to_owned());
+    let have = tokio::task::spawn_blocking(move || {
+        client
+            .fetch_metadata(Some(&name), timeout)
+            .map(|m| m.topics().first().map_or(0, |t| t.partitions().len()))
+    })
+    .await
+    .map_err(|e| Error::Internal {
+        message: format!("reading topic metadata panicked: {e}"),
+    })?
+    .map_err(Error::kafka(format!("reading the metadata of {topic}")))?;
+    if have != want as usize {
+        return Err(Error::Config {
+            problems: vec![format!(
+                "{setting}: {want}, but topic {topic} has {have} partitions; every process must use the topic's count (resize it only with ingest stopped and every writer caught up, then set {setting} to match)"
+            )],
+        });
+    }
+    Ok(())
+}
+
 /// Creates the group consumer and subscribes it.
 ///
 /// # Errors

@@ -116,35 +116,76 @@ pub struct SteamStage {
 const MEMORY_REINDEX_ROWS: u64 = 20_000;
 
 /// Publishes changed memories to the internal changes topic, for the
-/// community writer (`steamrf communities`).
+/// community writers (`steamrf communities`).
 ///
 /// Each record is an Arrow IPC stream of rows of the `memories` table (at
-/// most [`CHANGES_PER_RECORD`]), so the writer needs no table read to apply it.
+/// most [`CHANGES_PER_RECORD`]), so a writer needs no table read to apply it.
+/// A tenant's rows and tombstones all go to the partition
+/// [`steamrf_schemas::tenancy::shard_of`] names, so they stay in order and
+/// one writer keeps each tenant's communities.
 pub struct ChangePublisher {
     producer: rdkafka::producer::FutureProducer,
     topic: String,
+    partitions: u32,
+    tenant_separator: Option<char>,
 }
 
 /// Memories per changes record (~1.7 KB each: well under Kafka's 1 MB default).
 pub const CHANGES_PER_RECORD: usize = 256;
 
+/// The changes-topic partition of `user_id`'s tenant.
+pub fn change_partition(user_id: &str, partitions: u32, separator: Option<char>) -> i32 {
+    let tenant = tenant_of(user_id, separator);
+    steamrf_schemas::tenancy::shard_of(tenant, partitions) as i32
+}
+
 impl ChangePublisher {
-    /// A publisher to `topic`.
-    pub fn new(producer: rdkafka::producer::FutureProducer, topic: String) -> Self {
-        Self { producer, topic }
+    /// A publisher to `topic`, which has `partitions` partitions.
+    pub fn new(
+        producer: rdkafka::producer::FutureProducer,
+        topic: String,
+        partitions: u32,
+        tenant_separator: Option<char>,
+    ) -> Self {
+        Self {
+            producer,
+            topic,
+            partitions: partitions.max(1),
+            tenant_separator,
+        }
     }
 
-    /// Sends `batch` (rows of `memories`) and waits until the broker has it.
+    /// Sends `batch` (rows of `memories`), each row to its tenant's
+    /// partition, and waits until the broker has every record.
     ///
     /// # Errors
     /// Encoding or delivery failures (retryable).
     pub async fn publish(&self, batch: &RecordBatch) -> Result<usize> {
+        let users = batch
+            .column_by_name("user_id")
+            .ok_or_else(|| Error::Internal {
+                message: "a memories batch without user_id".into(),
+            })?
+            .as_string::<i32>();
+        let mut rows: BTreeMap<i32, Vec<u32>> = BTreeMap::new();
+        for r in 0..batch.num_rows() {
+            let p = change_partition(users.value(r), self.partitions, self.tenant_separator);
+            rows.entry(p).or_default().push(r as u32);
+        }
         let mut deliveries = Vec::new();
-        let mut start = 0;
-        while start < batch.num_rows() {
-            let len = CHANGES_PER_RECORD.min(batch.num_rows() - start);
-            deliveries.push(self.send(&encode_changes(&batch.slice(start, len))?)?);
-            start += len;
+        for (partition, rows) in rows {
+            let part = if rows.len() == batch.num_rows() {
+                batch.clone()
+            } else {
+                arrow_select::take::take_record_batch(batch, &arrow_array::UInt32Array::from(rows))?
+            };
+            let mut start = 0;
+            while start < part.num_rows() {
+                let len = CHANGES_PER_RECORD.min(part.num_rows() - start);
+                let bytes = encode_changes(&part.slice(start, len))?;
+                deliveries.push(self.send(partition, &bytes)?);
+                start += len;
+            }
         }
         let records = deliveries.len();
         for d in deliveries {
@@ -153,10 +194,12 @@ impl ChangePublisher {
         Ok(records)
     }
 
-    /// Queues one record.
-    fn send(&self, bytes: &[u8]) -> Result<rdkafka::producer::DeliveryFuture> {
+    /// Queues one record to `partition`.
+    fn send(&self, partition: i32, bytes: &[u8]) -> Result<rdkafka::producer::DeliveryFuture> {
         let record: rdkafka::producer::FutureRecord<'_, (), [u8]> =
-            rdkafka::producer::FutureRecord::to(&self.topic).payload(bytes);
+            rdkafka::producer::FutureRecord::to(&self.topic)
+                .partition(partition)
+                .payload(bytes);
         self.producer
             .send_result(record)
             .map_err(|(e, _)| Error::kafka("queueing a memory change")(e))
@@ -225,7 +268,8 @@ impl ChangePublisher {
         let bytes = serde_json::to_vec(t).map_err(|e| Error::Internal {
             message: format!("encoding a tombstone: {e}"),
         })?;
-        delivered(self.send(&bytes)?).await
+        let partition = change_partition(&t.forget_user, self.partitions, self.tenant_separator);
+        delivered(self.send(partition, &bytes)?).await
     }
 }
 
@@ -317,7 +361,26 @@ impl SteamStage {
         metrics: Metrics,
         publish: Option<ChangePublisher>,
     ) -> Result<Self> {
-        let started = Instant::now();
+        let mut stage =
+            Self::open_tables(db, params, kernel, embedder, llm, metrics, publish).await?;
+        stage.restore(&|_| true).await?;
+        Ok(stage)
+    }
+
+    /// Like [`Self::open`], with an empty state: a community writer restores
+    /// the tenants of its partitions once it knows them ([`Self::restore`]).
+    ///
+    /// # Errors
+    /// LanceDB failures, or tables of another schema.
+    pub async fn open_tables(
+        db: &lancedb::Connection,
+        params: SteamParams,
+        kernel: Arc<dyn SimilarityKernel>,
+        embedder: Option<Arc<dyn Embedder>>,
+        llm: Option<Arc<ChatClient>>,
+        metrics: Metrics,
+        publish: Option<ChangePublisher>,
+    ) -> Result<Self> {
         let open = |t: MemoryTable| open_or_create_named(db, t.as_str(), t.schema());
         let memories = open(MemoryTable::Memories).await?;
         ensure_primary_key(&memories, "memory_id").await?;
@@ -349,60 +412,116 @@ impl SteamStage {
             stage.remember_items(&b);
         }
         stage.items_table = Some(items);
-        let empty = stage.state.emptied();
-        stage.state = load_state(&stage.memories, &stage.links, empty).await?;
-        let rewritten = if stage.publish.is_none() {
-            stage.reconcile_prototypes().await?
+        Ok(stage)
+    }
+
+    /// Restores the state from the latest `memories` and `memory_links`,
+    /// keeping the memories (and links from them) of the users `keep`
+    /// accepts: every user, or a community writer's tenants. Communities
+    /// and prototypes are rebuilt, and stored prototypes brought up to date.
+    ///
+    /// # Errors
+    /// LanceDB failures; see [`load_state`].
+    pub async fn restore(&mut self, keep: &(dyn Fn(&str) -> bool + Sync)) -> Result<()> {
+        let started = Instant::now();
+        for t in [&self.memories, &self.links, &self.prototypes] {
+            t.checkout_latest()
+                .await
+                .map_err(Error::lance(format!("refreshing {}", t.name())))?;
+        }
+        let empty = self.state.emptied();
+        self.state = load_state_where(&self.memories, &self.links, empty, keep).await?;
+        let rewritten = if self.publish.is_none() {
+            self.reconcile_prototypes().await?
         } else {
             0
         };
+        self.metrics
+            .steam_communities
+            .set(self.state.communities().count() as i64);
+        self.metrics
+            .steam_prototypes
+            .set(self.state.prototypes().count() as i64);
         tracing::info!(
-            memories = stage.state.len(),
-            communities = stage.state.communities().count(),
-            items = stage.items.len(),
+            memories = self.state.len(),
+            communities = self.state.communities().count(),
+            items = self.items.len(),
             prototypes_rewritten = rewritten,
             took = ?started.elapsed(),
             "STEAM state restored."
         );
-        Ok(stage)
+        Ok(())
     }
 
-    /// Brings the stored prototypes' content to what this build publishes:
-    /// rows written by a steamrf before 2026-12-05 quoted members' own
-    /// titles and dialogue snippets (docs/security.md). Without an LLM a
-    /// stored content other than the rebuilt deterministic one is rewritten;
-    /// with one, only rows missing from the table are written (an LLM text
-    /// cannot be told from an old one; see docs/security.md for a rebuild).
-    /// On an up-to-date table it writes nothing. Returns the rows written.
+    /// Brings the stored prototypes to what the restored state publishes.
+    ///
+    /// - Members: a row whose members differ from the rebuilt community's
+    ///   is rewritten.
+    /// - Content: rows written by a steamrf before 2026-12-05 quoted
+    ///   members' own titles and dialogue snippets (docs/security.md).
+    ///   Without an LLM a stored content other than the rebuilt
+    ///   deterministic one is rewritten; with one, only rows missing from
+    ///   the table are written (an LLM text cannot be told from an old one;
+    ///   see docs/security.md for a rebuild).
+    /// - Ids: communities rebuilt from scratch are named by their smallest
+    ///   member, which need not be the name their incremental history gave
+    ///   them. A stored prototype that is not the state's but lists a member
+    ///   the state holds is such an old name, and is deleted. Prototypes of
+    ///   memories the state does not hold (another writer's tenants) are
+    ///   left alone.
+    ///
+    /// On an up-to-date table it writes nothing. Returns the rows written
+    /// or deleted.
     async fn reconcile_prototypes(&self) -> Result<usize> {
-        let mut stored: HashMap<MemoryId, String> = HashMap::new();
-        for b in scan(&self.prototypes, &["prototype_id", "content"]).await? {
+        // Content and members, as stored.
+        let mut stored: HashMap<MemoryId, (String, Vec<String>)> = HashMap::new();
+        let mut renamed: Vec<MemoryId> = Vec::new();
+        for b in scan(&self.prototypes, &["prototype_id", "content", "member_ids"]).await? {
             let (ids, content) = (
                 read_ids(b.column(0), "prototypes.prototype_id")?,
                 b.column(1).as_string::<i32>(),
             );
             for (r, id) in ids.into_iter().enumerate() {
-                stored.insert(id, content.value(r).to_owned());
+                let members = strings(b.column(2), r);
+                if self.state.prototype(id).is_none() {
+                    let held = members
+                        .iter()
+                        .filter_map(|m| m.parse::<MemoryId>().ok())
+                        .any(|m| self.state.memory(m).is_some());
+                    if held {
+                        renamed.push(id);
+                    }
+                    continue;
+                }
+                stored.insert(id, (content.value(r).to_owned(), members));
             }
         }
+        delete_ids(&self.prototypes, "prototype_id", &renamed).await?;
         let stale: Vec<_> = self
             .state
             .prototypes()
             .filter(|p| match stored.get(&p.id) {
                 None => true,
-                Some(c) => self.llm.is_none() && *c != p.content,
+                Some((c, members)) => {
+                    let same_members = members.len() == p.members.len()
+                        && members
+                            .iter()
+                            .zip(&p.members)
+                            .all(|(a, b)| *a == b.to_string());
+                    !same_members || (self.llm.is_none() && *c != p.content)
+                }
             })
             .cloned()
             .collect();
         if stale.is_empty() {
-            return Ok(0);
+            return Ok(renamed.len());
         }
         let link = LinkOutcome {
             prototypes: stale,
             ..LinkOutcome::default()
         };
         upsert(&self.prototypes, "prototype_id", prototypes_batch(&link)?).await?;
-        Ok(link.prototypes.len())
+        Ok(renamed.len() + link.prototypes.len())
     }
 
     fn remember_items(&mut self, b: &RecordBatch) {
@@ -478,6 +597,17 @@ impl SteamStage {
         Ok(())
     }
 
+    /// The write-path state.
+    pub fn state(&self) -> &SteamState {
+        &self.state
+    }
+
+    /// Drops every memory, link, community and prototype held (a writer
+    /// left without partitions); the catalogue stays.
+    pub fn clear_state(&mut self) {
+        self.state = self.state.emptied();
+    }
+
     /// Makes this stage the community writer ([`Self::apply_changes`]).
     pub fn into_writer(mut self) -> Self {
         self.writer = true;
@@ -497,19 +627,9 @@ impl SteamStage {
             // re-read from the table (written before that instance committed).
             let assigned = self.metrics.rebalances.with_label_values(&["assign"]).get();
             if assigned != self.assignments_seen {
-                // Handles read the version they last saw: move to the latest.
-                for t in [&self.memories, &self.links] {
-                    t.checkout_latest()
-                        .await
-                        .map_err(Error::lance("refreshing memories"))?;
-                }
-                let empty = self.state.emptied();
-                self.state = load_state(&self.memories, &self.links, empty).await?;
+                tracing::info!("Partitions assigned: reloading the memories.");
+                self.restore(&|_| true).await?;
                 self.assignments_seen = assigned;
-                tracing::info!(
-                    memories = self.state.len(),
-                    "Partitions assigned: memories reloaded."
-                );
             }
         }
         if let Some(items) = &tables.items {
@@ -1159,15 +1279,28 @@ const KEY_SAMPLE: usize = 64;
 /// # Errors
 /// LanceDB failures; memories written under another `steam.id_key`; links
 /// between tenants.
-pub async fn load_state(
+pub async fn load_state(memories: &Table, links: &Table, state: SteamState) -> Result<SteamState> {
+    load_state_where(memories, links, state, &|_| true).await
+}
+
+/// [`load_state`] for the users `keep` accepts (and the links from their
+/// memories): a community writer's tenants.
+///
+/// # Errors
+/// As [`load_state`].
+pub async fn load_state_where(
     memories: &Table,
     links: &Table,
     mut state: SteamState,
+    keep: &(dyn Fn(&str) -> bool + Sync),
 ) -> Result<SteamState> {
     let key = state.params().evolve.id_key;
     let (mut checked, mut explained) = (0usize, 0usize);
     for b in scan(memories, MEMORY_COLUMNS).await? {
         for m in memories_from(&b)? {
+            if !keep(&m.user_id) {
+                continue;
+            }
             if checked < KEY_SAMPLE {
                 checked += 1;
                 let first = m.interactions.first().map(String::as_str);
@@ -1205,6 +1338,9 @@ pub async fn load_state(
         for r in 0..b.num_rows() {
             if tenant_of(from_user.value(r), separator) != tenant_of(to_user.value(r), separator) {
                 crossing += 1;
+            }
+            if !keep(from_user.value(r)) {
+                continue;
             }
             by_from.entry(from[r]).or_default().push(Link {
                 from: from[r],

@@ -1489,6 +1489,194 @@ fn scaled_out_community_writer_matches_in_process() {
     }
 }
 
+/// Sharded community writers: the changes topic has 4 partitions keyed by
+/// tenant, and two `steamrf communities` processes split them. Six tenants'
+/// users click the same catalogue; one writer is killed (-9) mid-stream,
+/// the other takes over its partitions and tenants, the killed one comes
+/// back and the group splits again. At the end the memories and prototypes
+/// equal those of one in-process pipeline over the same events, no link is
+/// stored twice, none crosses tenants, and every tenant has its prototype.
+#[test]
+fn two_sharded_writers_survive_a_kill9_and_match_in_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let topic = unique("it-shards");
+    let file = dir.path().join("events.jsonl");
+    let (tenants, users, clicks) = (6, 4, 6);
+    let mut lines = Vec::new();
+    let mut n = 0i64;
+    let mut ev = |body: String, lines: &mut Vec<String>| {
+        n += 1;
+        let ts = 1_764_000_000_000i64 + n * 1000;
+        lines.push(format!(
+            r#"{{"schema_version":1,"event_id":"{topic}-{n}","timestamp":{ts},{body}}}"#
+        ));
+    };
+    let mut items = Vec::new();
+    for i in 0..6 {
+        ev(
+            format!(
+                r#""type":"item","item_id":"jazz{i}","title":"Jazz Standards Collection Volume {i}","categories":["Jazz","Bebop"]"#
+            ),
+            &mut items,
+        );
+    }
+    for c in 0..clicks {
+        for t in 0..tenants {
+            for u in 0..users {
+                ev(
+                    format!(
+                        r#""type":"click","user_id":"t{t}:user{u}","item_id":"jazz{}""#,
+                        (u + c) % 6
+                    ),
+                    &mut lines,
+                );
+            }
+        }
+    }
+    let items_file = dir.path().join("items.jsonl");
+    let rest_file = dir.path().join("rest.jsonl");
+    std::fs::write(&items_file, items.join("\n") + "\n").unwrap();
+    std::fs::write(&rest_file, lines.join("\n") + "\n").unwrap();
+    std::fs::write(&file, items.join("\n") + "\n" + &lines.join("\n") + "\n").unwrap();
+
+    let sharding = "changes_partitions = 4\n[tenancy]\nseparator = \":\"\n";
+    let base_uri = in_process_reference(dir.path(), &topic, &file, sharding);
+    let cfg = PipelineConfig {
+        dir: dir.path(),
+        topic: &topic,
+        group: &format!("{topic}-g"),
+        dlq: &format!("{topic}-dlq"),
+        max_rows: 6,
+        linger_ms: 50,
+    };
+    let config = cfg.write_with(&format!(
+        "{}{sharding}[kafka.properties]\n\"session.timeout.ms\" = \"2000\"\n\"heartbeat.interval.ms\" = \"400\"\n",
+        scaled_out_steam(&topic)
+    ));
+    let uri = cfg.lancedb_uri();
+    // The topic exists (with the catalogue) before anyone subscribes.
+    produce_all(&topic, 1, &items_file);
+    let ingest = Pipeline::start(&config, None);
+    wait_count(
+        &uri,
+        "SELECT count(*) AS n FROM items",
+        6,
+        Duration::from_secs(60),
+    );
+    let mut a = Pipeline::start_command("communities", &config, None);
+    let b = Pipeline::start_command("communities", &config, None);
+    let assigned = "steamrf_source_assigned_partitions";
+    for w in [&a, &b] {
+        w.wait_metric(assigned, |v| v == 2.0, Duration::from_secs(60));
+    }
+    // ~8 s of clicks: the kill lands while both writers are busy.
+    let mut producer = produce(&topic, 1, &rest_file, Some(18));
+    a.wait_metric(
+        "steamrf_source_records_committed_total",
+        |v| v >= 1.0,
+        Duration::from_secs(60),
+    );
+    std::thread::sleep(Duration::from_millis(
+        rand::rngs::StdRng::seed_from_u64(47).random_range(0..600),
+    ));
+    let before_kill = try_sql_count(&uri, "SELECT count(*) AS n FROM memory_links").unwrap_or(0);
+    a.kill9();
+    eprintln!(
+        "killed writer a with {before_kill} links stored, the producer still running: {}",
+        producer.try_wait().unwrap().is_none()
+    );
+    // The survivor takes every partition once the killed session expires.
+    b.wait_metric(assigned, |v| v == 4.0, Duration::from_secs(60));
+    std::thread::sleep(Duration::from_secs(2));
+    let a2 = Pipeline::start_command("communities", &config, None);
+    for w in [&a2, &b] {
+        w.wait_metric(assigned, |v| v == 2.0, Duration::from_secs(60));
+    }
+    assert!(producer.wait().unwrap().success());
+
+    let memories = "SELECT user_id, version, support, content FROM memories ORDER BY memory_id";
+    let prototypes = "SELECT users, content FROM prototypes ORDER BY content, users";
+    let want = (
+        sql_text(&base_uri, memories),
+        sql_text(&base_uri, prototypes),
+    );
+    assert_eq!(
+        sql_count(&base_uri, "SELECT count(*) AS n FROM prototypes"),
+        tenants as i64,
+        "the reference has one prototype per tenant"
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got = (
+            try_sql_text(&uri, memories).unwrap_or_default(),
+            try_sql_text(&uri, prototypes).unwrap_or_default(),
+        );
+        if got == want {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sharded tables never matched.\nwant:\n{}\n{}\ngot:\n{}\n{}\nwriter a:\n{}\nwriter b:\n{}\nwriter a again:\n{}\ningest:\n{}",
+            want.0,
+            want.1,
+            got.0,
+            got.1,
+            a.log_text(),
+            b.log_text(),
+            a2.log_text(),
+            ingest.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM (SELECT from_id, to_id, count(*) AS c FROM memory_links GROUP BY from_id, to_id) WHERE c > 1"
+        ),
+        0,
+        "a link stored twice"
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(*) AS n FROM memory_links WHERE split_part(from_user, ':', 1) <> split_part(to_user, ':', 1) OR from_user = to_user"
+        ),
+        0,
+        "a link across tenants, or to the user's own memory"
+    );
+    assert_eq!(
+        sql_count(
+            &uri,
+            "SELECT count(DISTINCT split_part(from_user, ':', 1)) AS n FROM memory_links"
+        ),
+        tenants as i64
+    );
+    // Each writer holds only its own tenants' communities.
+    let held = |w: &Pipeline| w.metric("steamrf_steam_prototypes").unwrap();
+    assert_eq!(held(&b) + held(&a2), tenants as f64);
+    assert!(
+        held(&b) > 0.0 && held(&a2) > 0.0,
+        "{} {}",
+        held(&b),
+        held(&a2)
+    );
+    let committed = |w: &Pipeline| w.metric("steamrf_source_records_committed_total");
+    eprintln!(
+        "changes records committed: writer b {:?}, writer a again {:?}; links {}",
+        committed(&b),
+        committed(&a2),
+        sql_count(&uri, "SELECT count(*) AS n FROM memory_links")
+    );
+    for w in [&a, &b, &a2] {
+        assert_eq!(
+            w.log_text().matches("panicked").count(),
+            0,
+            "{}",
+            w.log_text()
+        );
+    }
+}
+
 /// Every process's `/metrics` passes `promtool check metrics`, and every
 /// Grafana dashboard query parses (as a recording rule, by `promtool check
 /// rules`) and names only metrics those processes export.

@@ -136,6 +136,10 @@ pub struct LinkOutcome {
     pub prototypes_removed: Vec<MemoryId>,
     /// Time in the relation-extraction kernel call.
     pub extract_time: std::time::Duration,
+    /// Time in community maintenance.
+    pub community_time: std::time::Duration,
+    /// Time rebuilding prototypes (and members' community labels).
+    pub prototype_time: std::time::Duration,
 }
 
 /// The whole write-path state.
@@ -408,8 +412,19 @@ impl SteamState {
             }
             out.links.extend(links.iter().copied());
         }
+        let started = std::time::Instant::now();
         out.delta = self.communities.apply(&batch);
+        // A prototype is built from its members' items and embeddings: a
+        // member that changed changes it, even when no link did.
+        for &m in changed {
+            if let Some(c) = self.communities.community_of(m) {
+                out.delta.changed.insert(c);
+            }
+        }
+        out.community_time = started.elapsed();
+        let started = std::time::Instant::now();
         self.refresh_prototypes(&mut out);
+        out.prototype_time = started.elapsed();
         Ok(out)
     }
 

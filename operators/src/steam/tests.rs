@@ -75,6 +75,37 @@ fn memories_link_across_users_into_a_community_with_a_prototype() {
 }
 
 #[test]
+fn a_member_consolidated_without_new_links_rebuilds_its_prototype() {
+    let mut s = SteamState::new(SteamParams::default(), 3);
+    let o = s.observe(jazz_and_scifi()).unwrap();
+    s.link(&CpuKernel::default(), &o.changed).unwrap();
+    let jazz = s.user("alice").unwrap().memories[0].id;
+    let c = s.communities().community_of(jazz).unwrap();
+    assert_eq!(s.prototype(c).unwrap().content, "");
+    // Bob and Carol choose Alice's album too: consolidated into their jazz
+    // memories, whose links (to each other) stay as they were.
+    let again = vec![
+        (
+            "bob".into(),
+            obs("b2", 10, [0.9, 0.2, 0.0], "Kind of Blue", "Jazz"),
+        ),
+        (
+            "carol".into(),
+            obs("c3", 11, [0.95, 0.0, 0.1], "Kind of Blue", "Jazz"),
+        ),
+    ];
+    let o = s.observe(again).unwrap();
+    assert_eq!(o.consolidated, 2);
+    let l = s.link(&CpuKernel::default(), &o.changed).unwrap();
+    assert_eq!(l.delta.merges, 0);
+    assert_eq!(s.communities().community_of(jazz), Some(c));
+    // Three users now share the album: the prototype says so.
+    let p = s.prototype(c).unwrap();
+    assert!(p.content.contains("Kind of Blue"), "{}", p.content);
+    assert!(l.prototypes.iter().any(|q| q.id == c));
+}
+
+#[test]
 fn a_lower_floor_publishes_small_communities() {
     let mut s = SteamState::new(
         SteamParams {

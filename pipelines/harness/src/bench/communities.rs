@@ -225,6 +225,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let mut next_id = b.memories as u64 + 1;
     let (mut times, mut exact_times) = (Vec::new(), Vec::new());
     let (mut extract_times, mut exact_extract_times) = (Vec::new(), Vec::new());
+    let (mut community_times, mut prototype_times) = (Vec::new(), Vec::new());
     let (mut links, mut links_found) = (0usize, 0usize);
     let mut batch_ids = Vec::new();
     let mut last = None;
@@ -252,6 +253,8 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         let o = state.link(kernel.as_ref(), &ids).map_err(internal)?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
         extract_times.push(o.extract_time.as_secs_f64() * 1e3);
+        community_times.push(o.community_time.as_secs_f64() * 1e3);
+        prototype_times.push(o.prototype_time.as_secs_f64() * 1e3);
         let got: HashSet<_> = o.links.iter().map(|l| (l.from, l.to)).collect();
         links += exact_links.len();
         links_found += exact_links
@@ -268,11 +271,13 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let incremental_ms = median(&mut times.clone());
     if let Some(o) = last {
         out.push(format!(
-            "incremental batch of {} (relation extraction over {} memories + communities + prototypes): median {incremental_ms:.0} ms of {:?} ms, extraction median {:.0} ms; last batch: {} links, {} merges, {} refused by the cap, {} relabelled, {} prototypes rebuilt",
+            "incremental batch of {} (relation extraction over {} memories + communities + prototypes): median {incremental_ms:.0} ms of {:?} ms (medians: extraction {:.0} ms, communities {:.0} ms, prototypes {:.0} ms); last batch: {} links, {} merges, {} refused by the cap, {} relabelled, {} prototypes rebuilt",
             b.batch,
             state.len(),
             times.iter().map(|t| t.round() as u64).collect::<Vec<_>>(),
             median(&mut extract_times.clone()),
+            median(&mut community_times.clone()),
+            median(&mut prototype_times.clone()),
             o.links.len(),
             o.delta.merges,
             o.delta.refused,
