@@ -585,6 +585,38 @@ fn bench(args: &[&str]) -> (String, std::collections::HashMap<String, f64>) {
     steamrf_result(std::iter::once("bench").chain(args.iter().copied()))
 }
 
+/// `steamrf bench communities`, small, with two writers over eight
+/// tenants: below `ivf_min_memories` the IVF answers exactly, so every
+/// exact link is found and the communities agree; the RESULT line carries
+/// the keys docs/capacity.md quotes.
+#[test]
+fn bench_communities_runs_sharded_writers_against_the_exact_ones() {
+    let (text, r) = bench(&[
+        "communities",
+        "--memories",
+        "4000",
+        "--batch",
+        "200",
+        "--batches",
+        "2",
+        "--writers",
+        "2",
+        "--tenants",
+        "8",
+        "--max-community",
+        "50",
+    ]);
+    assert_eq!(r["writers"], 2.0, "{text}");
+    assert_eq!(r["tenants"], 8.0);
+    assert_eq!(r["link_recall"], 1.0, "{text}");
+    assert_eq!(r["community_agreement"], 1.0, "{text}");
+    assert!(
+        r["max_community"] <= 50.0 && r["changed_per_s"] > 0.0,
+        "{text}"
+    );
+    assert!(text.contains("2 writer(s) holding"), "{text}");
+}
+
 /// `steamrf bench index`, small: the tiered key index is updated in
 /// segments, every replayed key is found in both tables (the bench fails
 /// otherwise), and the RESULT line carries the keys docs/capacity.md quotes.

@@ -423,6 +423,9 @@ impl SteamState {
         }
         out.community_time = started.elapsed();
         let started = std::time::Instant::now();
+        // A restored memory arrives without its label.
+        let moved: Vec<MemoryId> = out.delta.moved.iter().copied().collect();
+        self.relabel(changed.iter().chain(&moved).copied());
         self.refresh_prototypes(&mut out);
         out.prototype_time = started.elapsed();
         Ok(out)
@@ -477,6 +480,7 @@ impl SteamState {
         }
         affected.sort_unstable();
         let delta = self.communities.apply(&batch);
+        self.relabel(delta.moved.iter().copied());
         let mut out = self.link(kernel, &affected)?;
         // Merge the removal's community changes into the outcome.
         out.delta.removed.extend(delta.removed.iter().copied());
@@ -588,6 +592,8 @@ impl SteamState {
             self.params.max_community,
         );
         self.prototypes.clear();
+        let all: Vec<MemoryId> = self.owner.keys().copied().collect();
+        self.relabel(all.into_iter());
         let mut out = LinkOutcome::default();
         out.delta.changed = self.communities.iter().map(|(c, _)| c).collect();
         self.refresh_prototypes(&mut out);
@@ -613,18 +619,20 @@ impl SteamState {
     /// users, and the sum of the embeddings. Prototypes are built from it,
     /// and so are their LLM prompts.
     pub fn digest(&self, members: &[MemoryId], max_titles: usize) -> Digest {
-        let mut users = BTreeSet::new();
-        let mut d = Digest::default();
         let found: Vec<&Memory> = members.iter().filter_map(|&id| self.memory(id)).collect();
+        let mut d = Digest::default();
+        if let Some(first) = found.first() {
+            d.sum = vec![0.0; first.embedding.len()];
+        }
+        let mut users: Vec<&str> = Vec::with_capacity(found.len());
         for m in &found {
-            users.insert(m.user_id.as_str());
-            if d.sum.is_empty() {
-                d.sum = vec![0.0; m.embedding.len()];
-            }
-            for (s, v) in d.sum.iter_mut().zip(&m.embedding) {
-                *s += v;
+            users.push(&m.user_id);
+            if m.embedding.len() == d.sum.len() {
+                steamrf_kernels::nn::add_assign(&mut d.sum, &m.embedding);
             }
         }
+        users.sort_unstable();
+        users.dedup();
         let mut shared: Vec<(usize, &ItemFacts)> = shared_items(found, self.params.min_users)
             .into_iter()
             .filter_map(|(i, n)| Some((n, self.catalogue.get(i)?)))
@@ -642,6 +650,17 @@ impl SteamState {
         d
     }
 
+    /// Sets each of `ids`' community label to its community now (none if
+    /// it is in none).
+    fn relabel(&mut self, ids: impl Iterator<Item = MemoryId>) {
+        for id in ids {
+            let c = self.communities.community_of(id);
+            if let Some(m) = self.memory_mut(id) {
+                m.community = c;
+            }
+        }
+    }
+
     /// Rebuilds the prototypes of changed communities, withdraws removed
     /// ones, and updates members' community links (L).
     fn refresh_prototypes(&mut self, out: &mut LinkOutcome) {
@@ -656,11 +675,6 @@ impl SteamState {
                 continue;
             };
             let members: Vec<MemoryId> = members.iter().copied().collect();
-            for &m in &members {
-                if let Some(mem) = self.memory_mut(m) {
-                    mem.community = Some(c);
-                }
-            }
             let digest = self.digest(&members, memory::RECENT);
             if digest.users < self.params.min_users {
                 if self.prototypes.remove(&c).is_some() {
@@ -689,17 +703,21 @@ pub fn shared_items<'a>(
     members: impl IntoIterator<Item = &'a Memory>,
     floor: usize,
 ) -> BTreeMap<&'a str, usize> {
-    let mut chosen: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    // (item, user) pairs, sorted and deduplicated: each item's run is its
+    // distinct users.
+    let mut chosen: Vec<(&str, &str)> = Vec::new();
     for m in members {
-        for i in &m.items {
-            chosen.entry(i.as_str()).or_default().insert(&m.user_id);
+        chosen.extend(m.items.iter().map(|i| (i.as_str(), m.user_id.as_str())));
+    }
+    chosen.sort_unstable();
+    chosen.dedup();
+    let mut out = BTreeMap::new();
+    for run in chosen.chunk_by(|a, b| a.0 == b.0) {
+        if run.len() >= floor.max(1) {
+            out.insert(run[0].0, run.len());
         }
     }
-    chosen
-        .into_iter()
-        .filter(|(_, u)| u.len() >= floor.max(1))
-        .map(|(i, u)| (i, u.len()))
-        .collect()
+    out
 }
 
 /// A prototype's content from its digest: the shared items' top categories

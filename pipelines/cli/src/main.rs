@@ -60,7 +60,7 @@ enum Cmd {
         #[arg(long)]
         listen: Option<SocketAddr>,
     },
-    /// Run the single community writer of the scaled-out write path (steam.communities = "topic") until SIGTERM.
+    /// Run a community writer of the scaled-out write path (steam.communities = "topic") until SIGTERM: writers are one consumer group, each keeping the tenants of its changes-topic partitions.
     Communities {
         /// Pipeline configuration (TOML), the same file the ingest instances use.
         #[arg(short, long, env = "STEAMRF_CONFIG")]
@@ -68,7 +68,7 @@ enum Cmd {
         /// Serve /metrics, /healthz and /readyz here.
         #[arg(long, env = "STEAMRF_METRICS_ADDR", default_value = "127.0.0.1:9465")]
         metrics_addr: SocketAddr,
-        /// Stop after this long without changes (once the partition is assigned).
+        /// Stop after this long without changes (once partitions are assigned).
         #[arg(long, value_parser = humantime::parse_duration)]
         exit_when_idle: Option<Duration>,
     },
@@ -400,6 +400,16 @@ enum BenchCmd {
         /// `steam.max_community` (0: unbounded).
         #[arg(long, default_value_t = 1000)]
         max_community: usize,
+        /// Writers, as `steamrf communities` processes sharing the changes
+        /// topic's partitions: the memories' users spread over `--tenants`
+        /// tenants, each tenant kept by the writer `shard_of` names, the
+        /// writers run each batch at once (on their own threads, the cores
+        /// split between them).
+        #[arg(long, default_value_t = 1)]
+        writers: usize,
+        /// Tenants the users spread over (0: one tenant, no separator).
+        #[arg(long, default_value_t = 0)]
+        tenants: usize,
         /// One real text per line (e.g. dialogue turns), embedded with the
         /// configured model: memories mix 1-3 neighbouring texts instead of
         /// synthetic topics.
@@ -876,6 +886,8 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     index,
                     probes,
                     max_community,
+                    writers,
+                    tenants,
                     texts,
                     config,
                 },
@@ -901,6 +913,8 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 ivf: index == "ivf",
                 probes,
                 max_community,
+                writers,
+                tenants,
                 texts,
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;

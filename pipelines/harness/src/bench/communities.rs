@@ -12,8 +12,9 @@ use steamrf_kernels::ivf::{IvfKernel, IvfKernelParams};
 use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
 use steamrf_operators::steam::memory::Memory;
 use steamrf_operators::steam::relations::Link;
-use steamrf_operators::steam::{MemoryId, SteamParams, SteamState};
+use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
 use steamrf_pipelines::error::{Error, Result};
+use steamrf_schemas::tenancy::{shard_of, tenant_of};
 
 use super::{Synth, rss_bytes};
 
@@ -40,6 +41,11 @@ pub struct CommunitiesBench {
     pub probes: usize,
     /// `steam.max_community` (0: unbounded).
     pub max_community: usize,
+    /// Writers, each keeping the tenants `shard_of` gives it, running each
+    /// batch at once on their own threads.
+    pub writers: usize,
+    /// Tenants the users spread over (0: one tenant).
+    pub tenants: usize,
     /// Embedded real texts, `dim` values each, in file order: memories mix
     /// neighbouring texts instead of synthetic topics.
     pub texts: Option<Vec<f32>>,
@@ -55,10 +61,10 @@ fn mid(id: u64) -> MemoryId {
     MemoryId(u128::from(id))
 }
 
-fn memory(id: u64, user: usize, topic: usize, embedding: Vec<f32>) -> Memory {
+fn memory(id: u64, user_id: String, topic: usize, embedding: Vec<f32>) -> Memory {
     Memory {
         id: mid(id),
-        user_id: format!("u{user}"),
+        user_id,
         content: String::new(),
         embedding,
         interactions: vec![format!("e{id}")],
@@ -72,9 +78,13 @@ fn memory(id: u64, user: usize, topic: usize, embedding: Vec<f32>) -> Memory {
     }
 }
 
-/// Community sizes: (largest, median, 99th percentile, communities).
-fn sizes(state: &SteamState) -> (usize, usize, usize, usize) {
-    let mut s: Vec<usize> = state.communities().iter().map(|(_, m)| m.len()).collect();
+/// Community sizes over every writer: (largest, median, 99th percentile,
+/// communities).
+fn sizes(states: &[SteamState]) -> (usize, usize, usize, usize) {
+    let mut s: Vec<usize> = states
+        .iter()
+        .flat_map(|st| st.communities().iter().map(|(_, m)| m.len()))
+        .collect();
     s.sort_unstable();
     let at = |q: f64| {
         s.get(((s.len() as f64 - 1.0) * q) as usize)
@@ -114,8 +124,9 @@ fn adjusted_rand(pairs: &[(MemoryId, MemoryId)]) -> f64 {
 }
 
 /// `steamrf bench communities`: time per batch of relation extraction plus
-/// community maintenance (and prototypes) on a corpus of `memories`, beside
-/// the exact f32 kernel's writer on the same batches (link recall,
+/// community maintenance (and prototypes) on a corpus of `memories`, by
+/// `writers` writers at once (each holding the tenants it is the shard of),
+/// beside the exact f32 kernel's writers on the same batches (link recall,
 /// community agreement) and a full recomputation, in the same run.
 ///
 /// # Errors
@@ -124,26 +135,46 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     use rand::Rng;
 
     let mut out = Vec::new();
+    let writers = b.writers.max(1);
+    let separator = (b.tenants > 0).then_some(':');
     let params = SteamParams {
         max_community: b.max_community,
+        tenant_separator: separator,
         ..SteamParams::default()
     };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The exact reference runs alone, on every core.
     let f32_kernel: Arc<dyn SimilarityKernel> = Arc::new(CpuKernel::default());
-    let base: Arc<dyn SimilarityKernel> = if b.int8 {
-        Arc::new(steamrf_kernels::quant::QuantKernel::new(4).map_err(internal)?)
-    } else {
-        f32_kernel.clone()
-    };
-    let ivf_params = IvfKernelParams {
-        probes: b.probes,
-        ..IvfKernelParams::default()
-    };
-    let kernel: Arc<dyn SimilarityKernel> = if b.ivf {
-        Arc::new(IvfKernel::new(ivf_params, base.clone()))
-    } else {
-        base.clone()
-    };
+    // Each writer's kernel gets its share of the cores, as a process of its own would.
+    let threads = (cores / writers).max(1);
+    let mut bases: Vec<Arc<dyn SimilarityKernel>> = Vec::new();
+    let mut kernels: Vec<Arc<dyn SimilarityKernel>> = Vec::new();
+    for _ in 0..writers {
+        let base: Arc<dyn SimilarityKernel> = if b.int8 {
+            Arc::new(steamrf_kernels::quant::QuantKernel::new(threads).map_err(internal)?)
+        } else {
+            Arc::new(CpuKernel {
+                threads,
+                ..CpuKernel::default()
+            })
+        };
+        let ivf_params = IvfKernelParams {
+            probes: b.probes,
+            ..IvfKernelParams::default()
+        };
+        kernels.push(if b.ivf {
+            Arc::new(IvfKernel::new(ivf_params, base.clone()))
+        } else {
+            base.clone()
+        });
+        bases.push(base);
+    }
     let users = (b.memories / 10).max(10);
+    let user_id = |u: usize| match separator {
+        Some(_) => format!("t{}:u{u}", u % b.tenants),
+        None => format!("u{u}"),
+    };
+    let writer_of = |user: &str| shard_of(tenant_of(user, separator), writers as u32) as usize;
     // A memory's topic: its window of texts, or a synthetic centre.
     let (mut synth, topics) = match &b.texts {
         Some(v) => {
@@ -164,17 +195,22 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             (synth.memory(topic), topic)
         }
     };
-    let mut state = SteamState::new(params, b.dim);
-    let mut by_topic: Vec<Vec<u64>> = vec![Vec::new(); topics];
+    let mut states: Vec<SteamState> = (0..writers)
+        .map(|_| SteamState::new(params, b.dim))
+        .collect();
+    // Per writer, per topic: the initial memories, with their users.
+    let mut by_topic: Vec<Vec<Vec<(u64, usize)>>> = vec![vec![Vec::new(); topics]; writers];
     let t = Instant::now();
     // Sequential ids: the bench measures the kernel and the graph, not the
     // hash (memory ids are opaque to both).
     for i in 0..b.memories {
         let (e, topic) = draw(&mut synth);
         let id = i as u64 + 1;
-        by_topic[topic].push(id);
-        state
-            .restore_memory(memory(id, i % users, topic, e))
+        let user = user_id(i % users);
+        let w = writer_of(&user);
+        by_topic[w][topic].push((id, i % users));
+        states[w]
+            .restore_memory(memory(id, user, topic, e))
             .map_err(internal)?;
     }
     let corpus_kind = match &b.texts {
@@ -185,42 +221,62 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         ),
         None => format!("synthetic memories in {topics} topics"),
     };
+    let held: Vec<usize> = states.iter().map(SteamState::len).collect();
     out.push(format!(
-        "corpus: {} {corpus_kind}, {users} users, dim {}, generated in {:.1} s",
+        "corpus: {} {corpus_kind}, {users} users{}, dim {}, generated in {:.1} s; {writers} writer(s) holding {held:?} memories, {threads} kernel thread(s) each",
         b.memories,
+        match separator {
+            Some(_) => format!(" in {} tenants", b.tenants),
+            None => String::new(),
+        },
         b.dim,
         t.elapsed().as_secs_f64()
     ));
     let t = Instant::now();
-    let initial = initial_links(b, &mut state, &by_topic, users, &f32_kernel, &base)?;
+    let mut initial = String::new();
+    for (w, state) in states.iter_mut().enumerate() {
+        initial = initial_links(b, state, &by_topic[w], &f32_kernel, &bases[w])?;
+    }
     out.push(format!(
         "initial links ({initial}): {:.1} s",
         t.elapsed().as_secs_f64()
     ));
     let t = Instant::now();
-    let built = state.rebuild();
+    let mut published = 0;
+    for state in &mut states {
+        published += state.rebuild().prototypes.len();
+    }
     let from_scratch_ms = t.elapsed().as_secs_f64() * 1e3;
-    let (largest, median, p99, count) = sizes(&state);
+    let (largest, median, p99, count) = sizes(&states);
     out.push(format!(
-        "communities from scratch (cap {}): {from_scratch_ms:.0} ms; {count} communities, sizes median {median}, p99 {p99}, largest {largest}; {} prototypes published",
+        "communities from scratch (cap {}): {from_scratch_ms:.0} ms; {count} communities, sizes median {median}, p99 {p99}, largest {largest}; {published} prototypes published",
         b.max_community,
-        built.prototypes.len()
     ));
 
-    // The index is built (and the int8 copy made) outside the timed batches.
+    // The indexes are built (and the int8 copies made) outside the timed batches.
     let t = Instant::now();
-    state
-        .link_dry_run(kernel.as_ref(), &[mid(1)])
-        .map_err(internal)?;
+    for (state, kernel) in states.iter().zip(&kernels) {
+        if let Some(first) = state.user_ids().next().and_then(|u| state.user(u)) {
+            let some = first
+                .memories
+                .first()
+                .map(|m| m.id)
+                .into_iter()
+                .collect::<Vec<_>>();
+            state
+                .link_dry_run(kernel.as_ref(), &some)
+                .map_err(internal)?;
+        }
+    }
     let warm_s = t.elapsed().as_secs_f64();
     let rss_mib = rss_bytes("VmRSS:") as f64 / (1u64 << 20) as f64;
     let vectors_mib = (b.memories * b.dim * 4) as f64 / (1u64 << 20) as f64;
     out.push(format!(
-        "writer state before the batches: {rss_mib:.0} MiB resident ({vectors_mib:.0} MiB of f32 vectors); index built in {warm_s:.1} s"
+        "writer state before the batches: {rss_mib:.0} MiB resident, all writers ({vectors_mib:.0} MiB of f32 vectors); indexes built in {warm_s:.1} s"
     ));
-    // The exact writer: the same state, linked by the exact f32 kernel.
+    // The exact writers: the same states, linked by the exact f32 kernel.
     let compare = b.ivf || b.int8;
-    let mut exact_state = if compare { Some(state.clone()) } else { None };
+    let mut exact_states: Vec<SteamState> = if compare { states.clone() } else { Vec::new() };
 
     let mut next_id = b.memories as u64 + 1;
     let (mut times, mut exact_times) = (Vec::new(), Vec::new());
@@ -228,78 +284,125 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let (mut community_times, mut prototype_times) = (Vec::new(), Vec::new());
     let (mut links, mut links_found) = (0usize, 0usize);
     let mut batch_ids = Vec::new();
-    let mut last = None;
+    let mut last: Vec<LinkOutcome> = Vec::new();
     for _ in 0..b.batches.max(1) {
-        let mut ids = Vec::with_capacity(b.batch);
+        let mut ids: Vec<Vec<MemoryId>> = vec![Vec::new(); writers];
         for _ in 0..b.batch {
             let (e, topic) = draw(&mut synth);
-            let m = memory(next_id, synth.rng.random_range(0..users), topic, e);
-            if let Some(x) = &mut exact_state {
+            let user = user_id(synth.rng.random_range(0..users));
+            let w = writer_of(&user);
+            let m = memory(next_id, user, topic, e);
+            if let Some(x) = exact_states.get_mut(w) {
                 x.restore_memory(m.clone()).map_err(internal)?;
             }
-            state.restore_memory(m).map_err(internal)?;
-            ids.push(mid(next_id));
+            states[w].restore_memory(m).map_err(internal)?;
+            ids[w].push(mid(next_id));
             next_id += 1;
         }
         let mut exact_links = Vec::new();
-        if let Some(x) = &mut exact_state {
-            let t = Instant::now();
-            let o = x.link(f32_kernel.as_ref(), &ids).map_err(internal)?;
-            exact_times.push(t.elapsed().as_secs_f64() * 1e3);
-            exact_extract_times.push(o.extract_time.as_secs_f64() * 1e3);
-            exact_links = o.links;
+        if compare {
+            // One after another, each on every core.
+            let (mut total, mut extract) = (0.0, 0.0f64);
+            for (x, ids) in exact_states.iter_mut().zip(&ids) {
+                let t = Instant::now();
+                let o = x.link(f32_kernel.as_ref(), ids).map_err(internal)?;
+                total += t.elapsed().as_secs_f64() * 1e3;
+                extract += o.extract_time.as_secs_f64() * 1e3;
+                exact_links.extend(o.links);
+            }
+            exact_times.push(total);
+            exact_extract_times.push(extract);
         }
+        // The writers at once, as separate processes would run.
         let t = Instant::now();
-        let o = state.link(kernel.as_ref(), &ids).map_err(internal)?;
+        let outcomes: Vec<std::result::Result<LinkOutcome, steamrf_kernels::Error>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = states
+                    .iter_mut()
+                    .zip(&kernels)
+                    .zip(&ids)
+                    .map(|((state, kernel), ids)| {
+                        scope.spawn(move || state.link(kernel.as_ref(), ids))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a writer thread panicked"))
+                    .collect()
+            });
         times.push(t.elapsed().as_secs_f64() * 1e3);
-        extract_times.push(o.extract_time.as_secs_f64() * 1e3);
-        community_times.push(o.community_time.as_secs_f64() * 1e3);
-        prototype_times.push(o.prototype_time.as_secs_f64() * 1e3);
-        let got: HashSet<_> = o.links.iter().map(|l| (l.from, l.to)).collect();
+        let outcomes = outcomes
+            .into_iter()
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(internal)?;
+        let slowest = |f: &dyn Fn(&LinkOutcome) -> std::time::Duration| {
+            outcomes
+                .iter()
+                .map(f)
+                .max()
+                .unwrap_or_default()
+                .as_secs_f64()
+                * 1e3
+        };
+        extract_times.push(slowest(&|o| o.extract_time));
+        community_times.push(slowest(&|o| o.community_time));
+        prototype_times.push(slowest(&|o| o.prototype_time));
+        let got: HashSet<_> = outcomes
+            .iter()
+            .flat_map(|o| o.links.iter().map(|l| (l.from, l.to)))
+            .collect();
         links += exact_links.len();
         links_found += exact_links
             .iter()
             .filter(|l| got.contains(&(l.from, l.to)))
             .count();
-        batch_ids.extend(ids);
-        last = Some(o);
+        batch_ids.extend(ids.into_iter().flatten());
+        last = outcomes;
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let incremental_ms = median(&mut times.clone());
-    if let Some(o) = last {
+    let total = state_len(&states);
+    if !last.is_empty() {
+        let sum = |f: &dyn Fn(&LinkOutcome) -> u64| last.iter().map(f).sum::<u64>();
         out.push(format!(
-            "incremental batch of {} (relation extraction over {} memories + communities + prototypes): median {incremental_ms:.0} ms of {:?} ms (medians: extraction {:.0} ms, communities {:.0} ms, prototypes {:.0} ms); last batch: {} links, {} merges, {} refused by the cap, {} relabelled, {} prototypes rebuilt",
+            "incremental batch of {} (relation extraction over {total} memories + communities + prototypes, {writers} writer(s) at once): median {incremental_ms:.0} ms of {:?} ms (medians of the slowest writer: extraction {:.0} ms, communities {:.0} ms, prototypes {:.0} ms); last batch: {} links, {} merges, {} refused by the cap, {} relabelled, {} prototypes rebuilt",
             b.batch,
-            state.len(),
             times.iter().map(|t| t.round() as u64).collect::<Vec<_>>(),
             median(&mut extract_times.clone()),
             median(&mut community_times.clone()),
             median(&mut prototype_times.clone()),
-            o.links.len(),
-            o.delta.merges,
-            o.delta.refused,
-            o.delta.relabelled,
-            o.prototypes.len()
+            sum(&|o| o.links.len() as u64),
+            sum(&|o| o.delta.merges),
+            sum(&|o| o.delta.refused),
+            sum(&|o| o.delta.relabelled),
+            sum(&|o| o.prototypes.len() as u64),
         ));
     }
-    let (largest, median_size, p99, count) = sizes(&state);
+    let (largest, median_size, p99, count) = sizes(&states);
     out.push(format!(
         "communities after the batches: {count}, sizes median {median_size}, p99 {p99}, largest {largest}"
     ));
     let mut extra = String::new();
-    if let Some(x) = &exact_state {
+    if compare {
         let exact_ms = median(&mut exact_times);
         let exact_extract_ms = median(&mut exact_extract_times);
         let extract_ms = median(&mut extract_times);
         let recall = links_found as f64 / links.max(1) as f64;
         // Agreement over the memories of every community a batch memory is
         // in, on either side: the part of the graph the batches changed.
+        let owner = |m: MemoryId| {
+            states
+                .iter()
+                .position(|s| s.memory(m).is_some())
+                .unwrap_or(0)
+        };
         let mut touched: HashSet<MemoryId> = HashSet::new();
         for &m in &batch_ids {
-            for s in [&state, x] {
+            let w = owner(m);
+            for s in [&states[w], &exact_states[w]] {
                 if let Some(c) = s.communities().community_of(m) {
                     touched.extend(s.communities().members(c).into_iter().flatten());
                 }
@@ -308,20 +411,29 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         let pairs: Vec<(MemoryId, MemoryId)> = touched
             .iter()
             .filter_map(|&m| {
+                let w = owner(m);
                 Some((
-                    state.communities().community_of(m)?,
-                    x.communities().community_of(m)?,
+                    states[w].communities().community_of(m)?,
+                    exact_states[w].communities().community_of(m)?,
                 ))
             })
             .collect();
         let ari = adjusted_rand(&pairs);
         let same = touched
             .iter()
-            .filter(|&&m| community(&state, m) == community(x, m))
+            .filter(|&&m| {
+                let w = owner(m);
+                community(&states[w], m) == community(&exact_states[w], m)
+            })
             .count() as f64
             / touched.len().max(1) as f64;
         out.push(format!(
-            "exact f32 writer, same batches: median {exact_ms:.0} ms (extraction {exact_extract_ms:.0} ms); {} is {:.2}x its batch, {:.2}x its extraction; found {links_found} of its {links} links (recall {recall:.4}); over the {} memories of the communities the batches touched: adjusted Rand index {ari:.4}, {:.4} in an identical community",
+            "exact f32 writer(s), same batches{}: median {exact_ms:.0} ms (extraction {exact_extract_ms:.0} ms); {} is {:.2}x its batch, {:.2}x its extraction; found {links_found} of its {links} links (recall {recall:.4}); over the {} memories of the communities the batches touched: adjusted Rand index {ari:.4}, {:.4} in an identical community",
+            if writers > 1 {
+                ", one writer after another on every core"
+            } else {
+                ""
+            },
             if b.ivf { "the IVF" } else { "int8" },
             exact_ms / incremental_ms,
             exact_extract_ms / extract_ms,
@@ -334,30 +446,40 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             exact_extract_ms / extract_ms
         );
     }
-    drop(exact_state);
+    drop(exact_states);
 
     // Full recomputation: extraction for every memory (query blocks of
-    // `batch`), then communities and prototypes from scratch.
-    let n = state.len();
-    let blocks = n.div_ceil(b.batch);
-    let measured = if b.full_recompute {
-        blocks
-    } else {
-        blocks.min(3)
-    };
-    let all = (1..=n as u64).map(mid).collect::<Vec<_>>();
-    let t = Instant::now();
-    for block in all.chunks(b.batch).take(measured) {
-        // The same call the incremental path makes, for `batch` memories.
-        let _ = state
-            .link_dry_run(kernel.as_ref(), block)
-            .map_err(internal)?;
+    // `batch`), then communities and prototypes from scratch, writer after
+    // writer.
+    let (mut extraction_ms, mut rebuild_ms, mut blocks, mut measured) = (0.0, 0.0, 0, 0);
+    for (state, kernel) in states.iter_mut().zip(&kernels) {
+        let mut all: Vec<MemoryId> = state
+            .user_ids()
+            .filter_map(|u| state.user(u))
+            .flat_map(|u| u.memories.iter().map(|m| m.id))
+            .collect();
+        all.sort_unstable();
+        let n_blocks = all.len().div_ceil(b.batch);
+        let n_measured = if b.full_recompute {
+            n_blocks
+        } else {
+            n_blocks.min(3)
+        };
+        let t = Instant::now();
+        for block in all.chunks(b.batch).take(n_measured) {
+            // The same call the incremental path makes, for `batch` memories.
+            let _ = state
+                .link_dry_run(kernel.as_ref(), block)
+                .map_err(internal)?;
+        }
+        let per_block = t.elapsed().as_secs_f64() * 1e3 / n_measured.max(1) as f64;
+        extraction_ms += per_block * n_blocks as f64;
+        let t = Instant::now();
+        state.rebuild();
+        rebuild_ms += t.elapsed().as_secs_f64() * 1e3;
+        blocks += n_blocks;
+        measured += n_measured;
     }
-    let per_block = t.elapsed().as_secs_f64() * 1e3 / measured as f64;
-    let extraction_ms = per_block * blocks as f64;
-    let t = Instant::now();
-    state.rebuild();
-    let rebuild_ms = t.elapsed().as_secs_f64() * 1e3;
     let recompute_ms = extraction_ms + rebuild_ms;
     out.push(format!(
         "full recomputation: relation extraction {extraction_ms:.0} ms ({blocks} query blocks of {}, {}) + communities and prototypes from scratch {rebuild_ms:.0} ms",
@@ -365,14 +487,14 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         if measured == blocks {
             "all measured".to_owned()
         } else {
-            format!("{measured} measured at {per_block:.0} ms each, scaled")
+            format!("{measured} measured, scaled")
         }
     ));
     let peak_mib = rss_bytes("VmHWM:") as f64 / (1u64 << 20) as f64;
     out.push(format!(
         "peak memory (VmHWM): {peak_mib:.0} MiB{}",
         if compare {
-            " (the exact writer's copy of the state included)"
+            " (the exact writers' copies of the state included)"
         } else {
             ""
         }
@@ -383,27 +505,32 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "exact".to_owned()
     };
     out.push(format!(
-        "RESULT memories={} changed_per_s={:.0} incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1} index={index} precision={}{extra} max_community={largest} cap={} writers=1 writer_rss_mib={rss_mib:.0} peak_rss_mib={peak_mib:.0}",
+        "RESULT memories={} changed_per_s={:.0} incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1} index={index} precision={}{extra} max_community={largest} cap={} writers={writers} tenants={} writer_rss_mib={rss_mib:.0} peak_rss_mib={peak_mib:.0}",
         b.memories,
         b.batch as f64 / incremental_ms * 1e3,
         recompute_ms / incremental_ms,
         if b.int8 { "int8" } else { "f32" },
-        b.max_community
+        b.max_community,
+        b.tenants.max(1),
     ));
     Ok(out)
+}
+
+fn state_len(states: &[SteamState]) -> usize {
+    states.iter().map(SteamState::len).sum()
 }
 
 /// The links before the measured batches, restored into `state`; returns
 /// how they were found. Synthetic topics: exact per topic (cross-topic
 /// cosines are ~0, far below τ, so each memory's global top-k1 lies in its
-/// topic). Real texts: by an IVF probing 32 lists (exhaustive search of 1M
-/// memories would take an hour), so the initial graph is approximate; the
-/// batches' links are compared against the exact kernel all the same.
+/// topic), never to the same user or another tenant. Real texts: by an IVF
+/// probing 32 lists (exhaustive search of 1M memories would take an hour),
+/// so the initial graph is approximate; the batches' links are compared
+/// against the exact kernel all the same.
 fn initial_links(
     b: &CommunitiesBench,
     state: &mut SteamState,
-    by_topic: &[Vec<u64>],
-    users: usize,
+    by_topic: &[Vec<(u64, usize)>],
     f32_kernel: &Arc<dyn SimilarityKernel>,
     base: &Arc<dyn SimilarityKernel>,
 ) -> Result<String> {
@@ -417,7 +544,13 @@ fn initial_links(
             },
             base.clone(),
         );
-        let all: Vec<MemoryId> = (1..=b.memories as u64).map(mid).collect();
+        let all: Vec<MemoryId> = by_topic
+            .iter()
+            .flatten()
+            .map(|&(id, _)| mid(id))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
         let mut found: HashMap<MemoryId, Vec<Link>> = HashMap::new();
         for block in all.chunks(8192) {
             for l in state.link_dry_run(&ivf, block).map_err(internal)? {
@@ -429,19 +562,22 @@ fn initial_links(
         }
         return Ok("IVF, 32 probes".to_owned());
     }
+    let tenants = b.tenants.max(1);
     for members in by_topic {
         if members.len() < 2 {
             continue;
         }
         let mut rows = Vec::with_capacity(members.len() * b.dim);
-        for &id in members {
+        for &(id, _) in members {
             if let Some(m) = state.memory(mid(id)) {
                 rows.extend_from_slice(&m.embedding);
             }
         }
         let corpus = Corpus::from_rows(&rows, b.dim).map_err(internal)?;
-        let user = |id: u64| (id - 1) as usize % users;
-        let exclude = |q: usize, c: usize| user(members[q]) == user(members[c]);
+        let exclude = |q: usize, c: usize| {
+            let (a, b) = (members[q].1, members[c].1);
+            a == b || a % tenants != b % tenants
+        };
         let hits = f32_kernel
             .top_k(
                 &rows,
@@ -457,12 +593,12 @@ fn initial_links(
             let links = hs
                 .into_iter()
                 .map(|h| Link {
-                    from: mid(members[q]),
-                    to: mid(members[h.index as usize]),
+                    from: mid(members[q].0),
+                    to: mid(members[h.index as usize].0),
                     score: h.score,
                 })
                 .collect();
-            state.restore_links(mid(members[q]), links);
+            state.restore_links(mid(members[q].0), links);
         }
     }
     Ok("exact, per topic".to_owned())
