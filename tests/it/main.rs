@@ -1384,6 +1384,35 @@ fn scaled_out_steam(topic: &str) -> String {
     )
 }
 
+/// Waits (90 s at most) until `uri`'s memories and prototypes equal the
+/// reference's at `base_uri`; on failure shows both and `logs`.
+fn wait_same_memories_and_prototypes(base_uri: &str, uri: &str, logs: &[(&str, &Pipeline)]) {
+    let memories = "SELECT user_id, version, support, content FROM memories ORDER BY memory_id";
+    let prototypes = "SELECT users, content FROM prototypes ORDER BY content, users";
+    let want = (sql_text(base_uri, memories), sql_text(base_uri, prototypes));
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got = (
+            try_sql_text(uri, memories).unwrap_or_default(),
+            try_sql_text(uri, prototypes).unwrap_or_default(),
+        );
+        if got == want {
+            return;
+        }
+        if Instant::now() >= deadline {
+            let logs: String = logs
+                .iter()
+                .map(|(name, p)| format!("{name}:\n{}\n", p.log_text()))
+                .collect();
+            panic!(
+                "the tables never matched the reference.\nwant:\n{}\n{}\ngot:\n{}\n{}\n{logs}",
+                want.0, want.1, got.0, got.1
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// The scaled-out write path: two ingest instances (one consumer group, two
 /// partitions) form and consolidate memories and publish them to the changes
 /// topic; one `steamrf communities` process keeps links, communities and
@@ -1440,34 +1469,11 @@ fn scaled_out_community_writer_matches_in_process() {
     );
     produce_all(&topic, 2, &rest_file);
 
-    let memories = "SELECT user_id, version, support, content FROM memories ORDER BY memory_id";
-    let prototypes = "SELECT users, content FROM prototypes ORDER BY content";
-    let want = (
-        sql_text(&base_uri, memories),
-        sql_text(&base_uri, prototypes),
+    wait_same_memories_and_prototypes(
+        &base_uri,
+        &uri,
+        &[("writer", &writer), ("ingest a", &a), ("ingest b", &b)],
     );
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let got = (
-            try_sql_text(&uri, memories).unwrap_or_default(),
-            try_sql_text(&uri, prototypes).unwrap_or_default(),
-        );
-        if got == want {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "scaled-out tables never matched.\nwant:\n{}\n{}\ngot:\n{}\n{}\nwriter log:\n{}\ningest logs:\n{}\n{}",
-            want.0,
-            want.1,
-            got.0,
-            got.1,
-            writer.log_text(),
-            a.log_text(),
-            b.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
     // How the group split the work (which partition each member got, and
     // when, is up to the broker), and links stay across users.
     let steps = |p: &Pipeline| p.metric("steamrf_steam_memory_steps_total").unwrap_or(0.0);
@@ -1594,40 +1600,21 @@ fn two_sharded_writers_survive_a_kill9_and_match_in_process() {
     }
     assert!(producer.wait().unwrap().success());
 
-    let memories = "SELECT user_id, version, support, content FROM memories ORDER BY memory_id";
-    let prototypes = "SELECT users, content FROM prototypes ORDER BY content, users";
-    let want = (
-        sql_text(&base_uri, memories),
-        sql_text(&base_uri, prototypes),
-    );
     assert_eq!(
         sql_count(&base_uri, "SELECT count(*) AS n FROM prototypes"),
         tenants as i64,
         "the reference has one prototype per tenant"
     );
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let got = (
-            try_sql_text(&uri, memories).unwrap_or_default(),
-            try_sql_text(&uri, prototypes).unwrap_or_default(),
-        );
-        if got == want {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "sharded tables never matched.\nwant:\n{}\n{}\ngot:\n{}\n{}\nwriter a:\n{}\nwriter b:\n{}\nwriter a again:\n{}\ningest:\n{}",
-            want.0,
-            want.1,
-            got.0,
-            got.1,
-            a.log_text(),
-            b.log_text(),
-            a2.log_text(),
-            ingest.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    wait_same_memories_and_prototypes(
+        &base_uri,
+        &uri,
+        &[
+            ("writer a", &a),
+            ("writer b", &b),
+            ("writer a again", &a2),
+            ("ingest", &ingest),
+        ],
+    );
     assert_eq!(
         sql_count(
             &uri,
