@@ -171,7 +171,7 @@ async fn run_inner(
     let kernel = crate::steam::kernel(&config, &metrics)?;
     let llm = crate::steam::llm_client(&config)?;
     // Empty until partitions are assigned: then it holds their tenants.
-    let mut stage = SteamStage::open_tables(
+    let mut stage = SteamStage::open(
         &db,
         config.steam_params(),
         kernel,

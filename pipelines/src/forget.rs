@@ -247,18 +247,18 @@ pub async fn run(config: &crate::Config, user_id: &str) -> Result<Receipt> {
         .iter()
         .any(|n| n == steamrf_schemas::memory::MemoryTable::Memories.as_str());
     let mut stage = if config.steam.enabled || has_memories {
-        Some(
-            SteamStage::open(
-                &db,
-                config.steam_params(),
-                crate::steam::kernel(config, &metrics)?,
-                None,
-                crate::steam::llm_client(config)?,
-                metrics,
-                None,
-            )
-            .await?,
+        let mut stage = SteamStage::open(
+            &db,
+            config.steam_params(),
+            crate::steam::kernel(config, &metrics)?,
+            None,
+            crate::steam::llm_client(config)?,
+            metrics,
+            None,
         )
+        .await?;
+        stage.restore(&|_| true).await?;
+        Some(stage)
     } else {
         None
     };

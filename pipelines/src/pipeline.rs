@@ -123,18 +123,18 @@ async fn run_inner(
         } else {
             None
         };
-        Some(
-            SteamStage::open(
-                &db,
-                config.steam_params(),
-                kernel,
-                embedder,
-                llm,
-                metrics.clone(),
-                publish,
-            )
-            .await?,
+        let mut stage = SteamStage::open(
+            &db,
+            config.steam_params(),
+            kernel,
+            embedder,
+            llm,
+            metrics.clone(),
+            publish,
         )
+        .await?;
+        stage.restore(&|_| true).await?;
+        Some(stage)
     } else {
         None
     };

@@ -347,32 +347,13 @@ pub(crate) fn vector(col: &dyn Array, row: usize) -> Option<&[f32]> {
 }
 
 impl SteamStage {
-    /// Opens (or creates) the tables, restores the state from them, and
-    /// loads the item catalogue's embeddings.
+    /// Opens (or creates) the tables and loads the item catalogue, with an
+    /// empty state: [`Self::restore`] fills it (every user, or a community
+    /// writer's tenants once it knows its partitions).
     ///
     /// # Errors
     /// LanceDB failures, or tables of another schema.
     pub async fn open(
-        db: &lancedb::Connection,
-        params: SteamParams,
-        kernel: Arc<dyn SimilarityKernel>,
-        embedder: Option<Arc<dyn Embedder>>,
-        llm: Option<Arc<ChatClient>>,
-        metrics: Metrics,
-        publish: Option<ChangePublisher>,
-    ) -> Result<Self> {
-        let mut stage =
-            Self::open_tables(db, params, kernel, embedder, llm, metrics, publish).await?;
-        stage.restore(&|_| true).await?;
-        Ok(stage)
-    }
-
-    /// Like [`Self::open`], with an empty state: a community writer restores
-    /// the tenants of its partitions once it knows them ([`Self::restore`]).
-    ///
-    /// # Errors
-    /// LanceDB failures, or tables of another schema.
-    pub async fn open_tables(
         db: &lancedb::Connection,
         params: SteamParams,
         kernel: Arc<dyn SimilarityKernel>,
@@ -436,12 +417,7 @@ impl SteamStage {
         } else {
             0
         };
-        self.metrics
-            .steam_communities
-            .set(self.state.communities().count() as i64);
-        self.metrics
-            .steam_prototypes
-            .set(self.state.prototypes().count() as i64);
+        self.record_sizes();
         tracing::info!(
             memories = self.state.len(),
             communities = self.state.communities().count(),
@@ -957,6 +933,16 @@ impl SteamStage {
         .await
     }
 
+    /// The communities and prototypes gauges, from the state.
+    fn record_sizes(&self) {
+        self.metrics
+            .steam_communities
+            .set(self.state.communities().count() as i64);
+        self.metrics
+            .steam_prototypes
+            .set(self.state.prototypes().count() as i64);
+    }
+
     fn record(&self, stats: &SteamStats, link: &LinkOutcome, started: Instant) {
         self.metrics
             .steam_memories
@@ -970,12 +956,7 @@ impl SteamStage {
         self.metrics.steam_links.inc_by(stats.links);
         self.metrics.steam_merges.inc_by(link.delta.merges);
         self.metrics.steam_splits.inc_by(link.delta.splits);
-        self.metrics
-            .steam_communities
-            .set(self.state.communities().count() as i64);
-        self.metrics
-            .steam_prototypes
-            .set(self.state.prototypes().count() as i64);
+        self.record_sizes();
         self.metrics
             .steam_duration
             .observe(started.elapsed().as_secs_f64());
