@@ -450,7 +450,7 @@ impl SteamStage {
     /// or deleted.
     async fn reconcile_prototypes(&self) -> Result<usize> {
         // Content and members, as stored.
-        let mut stored: HashMap<MemoryId, (String, Vec<String>)> = HashMap::new();
+        let mut stored: HashMap<MemoryId, (String, Vec<MemoryId>)> = HashMap::new();
         let mut renamed: Vec<MemoryId> = Vec::new();
         for b in scan(&self.prototypes, &["prototype_id", "content", "member_ids"]).await? {
             let (ids, content) = (
@@ -458,12 +458,12 @@ impl SteamStage {
                 b.column(1).as_string::<i32>(),
             );
             for (r, id) in ids.into_iter().enumerate() {
-                let members = strings(b.column(2), r);
+                let members: Vec<MemoryId> = strings(b.column(2), r)
+                    .iter()
+                    .filter_map(|m| m.parse().ok())
+                    .collect();
                 if self.state.prototype(id).is_none() {
-                    let held = members
-                        .iter()
-                        .filter_map(|m| m.parse::<MemoryId>().ok())
-                        .any(|m| self.state.memory(m).is_some());
+                    let held = members.iter().any(|&m| self.state.memory(m).is_some());
                     if held {
                         renamed.push(id);
                     }
@@ -479,12 +479,7 @@ impl SteamStage {
             .filter(|p| match stored.get(&p.id) {
                 None => true,
                 Some((c, members)) => {
-                    let same_members = members.len() == p.members.len()
-                        && members
-                            .iter()
-                            .zip(&p.members)
-                            .all(|(a, b)| *a == b.to_string());
-                    !same_members || (self.llm.is_none() && *c != p.content)
+                    *members != p.members || (self.llm.is_none() && *c != p.content)
                 }
             })
             .cloned()
