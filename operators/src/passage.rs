@@ -265,11 +265,18 @@ impl PassageIndex {
             .lexical
             .as_ref()
             .map_or(units.spans.len(), Bm25Index::len);
-        if units.spans.len() != self.windows.len() || lexical != self.windows.len() {
+        let sparse = units
+            .sparse
+            .as_ref()
+            .map_or(units.spans.len(), crate::lexical::SparseIndex::len);
+        if units.spans.len() != self.windows.len()
+            || lexical != self.windows.len()
+            || sparse != self.windows.len()
+        {
             return Err(Error::Invalid {
                 field: "passages",
                 reason: format!(
-                    "{} windows but {} unit spans and {lexical} unit texts",
+                    "{} windows but {} unit spans, {lexical} unit texts and {sparse} sparse vectors",
                     self.windows.len(),
                     units.spans.len()
                 ),
@@ -282,6 +289,11 @@ impl PassageIndex {
     /// Whether the windows are indexed as evidence units.
     pub fn has_units(&self) -> bool {
         self.units.is_some() && !self.windows.is_empty()
+    }
+
+    /// Whether the evidence units carry learned sparse vectors.
+    pub fn has_sparse_units(&self) -> bool {
+        self.has_units() && self.units.as_ref().is_some_and(|u| u.sparse.is_some())
     }
 
     /// Rows.

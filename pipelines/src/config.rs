@@ -473,6 +473,8 @@ pub struct EmbedConfig {
     pub item_template: String,
     /// Turns per passage window (0: no passages).
     pub passage_turns: usize,
+    /// The SPLADE model directory ("": no sparse vectors).
+    pub sparse_model_dir: String,
     /// The remote engine.
     pub remote: RemoteEmbedConfig,
 }

@@ -30,7 +30,7 @@ use arrow_array::types::TimestampMillisecondType;
 use arrow_array::{Array, BooleanArray, RecordBatch, UInt32Array};
 use steamrf_operators::embed::{
     Backend, EmbedError, Embedder, LocalEmbedder, MiniLm, MiniLmOptions, Precision, RemoteEmbedder,
-    RemoteOptions,
+    RemoteOptions, Splade, SpladeOptions,
 };
 use steamrf_schemas::TableName;
 use steamrf_schemas::tables::{EMBEDDING_DIM, with_embeddings};
@@ -130,6 +130,47 @@ pub fn embedder(cfg: &EmbedConfig) -> Result<Option<Arc<dyn Embedder>>> {
     Ok(Some(e))
 }
 
+/// Loads the configured sparse encoder (`None` when `embed.sparse_model_dir`
+/// is empty or embedding is off).
+///
+/// # Errors
+/// [`Error::Config`] if the model cannot be loaded.
+pub fn sparse_encoder(cfg: &EmbedConfig) -> Result<Option<Arc<Splade>>> {
+    if cfg.sparse_model_dir.is_empty() || cfg.engine == EmbedEngine::Off {
+        return Ok(None);
+    }
+    let started = Instant::now();
+    let model = Splade::load(
+        Path::new(&cfg.sparse_model_dir),
+        SpladeOptions {
+            max_tokens: cfg.max_tokens,
+            threads: workers(cfg),
+            precision: match cfg.precision {
+                EmbedPrecision::Auto => Precision::Auto,
+                EmbedPrecision::F32 => Precision::F32,
+                EmbedPrecision::Int16 => Precision::Int16,
+                EmbedPrecision::Int8 => Precision::Int8,
+            },
+            ..SpladeOptions::default()
+        },
+    )
+    .map_err(|e| Error::Config {
+        problems: vec![match e {
+            EmbedError::Unsupported(why) => format!("embed.precision: {why}"),
+            e => format!(
+                "embed.sparse_model_dir: {e} (run scripts/tools.sh to fetch SPLADE-tiny, or set it to \"\" to switch sparse vectors off)"
+            ),
+        }],
+    })?;
+    tracing::info!(
+        model = model.model_id(),
+        precision = model.options().precision.as_str(),
+        took = ?started.elapsed(),
+        "Sparse encoder loaded."
+    );
+    Ok(Some(Arc::new(model)))
+}
+
 /// Renders an item as text with `template` (`{title}`, `{categories}`,
 /// `{description}`), with surrounding whitespace trimmed.
 pub fn item_text(template: &str, title: &str, categories: &[&str], description: &str) -> String {
@@ -143,6 +184,8 @@ pub fn item_text(template: &str, title: &str, categories: &[&str], description: 
 /// The embed stage.
 pub struct EmbedStage {
     embedder: Option<Arc<dyn Embedder>>,
+    /// Each embedded dialogue turn's learned sparse vector, when set.
+    sparse: Option<Arc<Splade>>,
     item_template: String,
     passage_turns: usize,
     /// The last turns of recently seen sessions: the embed stage runs ahead
@@ -170,6 +213,7 @@ impl EmbedStage {
     ) -> Self {
         Self {
             embedder,
+            sparse: None,
             item_template,
             passage_turns: 0,
             recent: Default::default(),
@@ -184,6 +228,44 @@ impl EmbedStage {
     pub fn with_passage_turns(mut self, turns: usize) -> Self {
         self.passage_turns = turns;
         self
+    }
+
+    /// Also stores each newly embedded dialogue turn's sparse vector from
+    /// `encoder` (in `turn_vectors.terms` / `weights`).
+    #[must_use]
+    pub fn with_sparse(mut self, encoder: Option<Arc<Splade>>) -> Self {
+        self.sparse = encoder;
+        self
+    }
+
+    /// The sparse vectors of `texts` (on a blocking thread), as
+    /// `(terms, weights)`.
+    async fn encode_sparse(&self, texts: Vec<String>) -> Result<Vec<(Vec<u32>, Vec<f32>)>> {
+        let Some(enc) = self.sparse.clone() else {
+            return Ok(Vec::new());
+        };
+        let started = Instant::now();
+        let n = texts.len();
+        let out = tokio::task::spawn_blocking(move || {
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            enc.encode(&refs)
+        })
+        .await
+        .map_err(|e| Error::Internal {
+            message: format!("the sparse encoder's thread failed: {e}"),
+        })?
+        .map_err(|e| Error::Internal {
+            message: format!("sparse encoding: {e}"),
+        })?;
+        self.metrics
+            .embed_texts
+            .with_label_values(&["sparse"])
+            .inc_by(n as u64);
+        self.metrics
+            .operator_duration
+            .with_label_values(&["sparse"])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(out.into_iter().map(|v| (v.terms, v.weights)).collect())
     }
 
     /// Embeds `texts`: the vectors of the accepted ones, in order, and the
@@ -360,16 +442,34 @@ impl EmbedStage {
             flat.extend_from_slice(&stored[&owned(r)]);
         }
         let mut refused = Vec::new();
+        // Sparse vectors of the new turns (replayed ones are stored already:
+        // the insert-if-absent write skips their rows).
+        let mut sparse: Vec<Option<(Vec<u32>, Vec<f32>)>> = vec![None; at.len()];
         if !rows.is_empty() {
             let texts: Vec<String> = rows.iter().map(|&r| text.value(r).to_owned()).collect();
             let out = self.run("dialogue_turn", texts).await?;
             let (accepted, no) = out.by_row(&rows);
+            let texts = accepted.iter().map(|&r| text.value(r).to_owned()).collect();
+            let mut encoded = self.encode_sparse(texts).await?.into_iter();
+            sparse.extend(accepted.iter().map(|_| encoded.next()));
             at.extend_from_slice(&accepted);
             flat.extend_from_slice(&out.vectors);
             refused = no;
         }
         let vectors = (!at.is_empty())
-            .then(|| steamrf_schemas::tables::turn_vectors(&batch, &at, &flat))
+            .then(
+                || -> std::result::Result<RecordBatch, arrow_schema::ArrowError> {
+                    let tv = steamrf_schemas::tables::turn_vectors(&batch, &at, &flat)?;
+                    if self.sparse.is_none() {
+                        return Ok(tv);
+                    }
+                    let refs: Vec<Option<(&[u32], &[f32])>> = sparse
+                        .iter()
+                        .map(|s| s.as_ref().map(|(t, w)| (t.as_slice(), w.as_slice())))
+                        .collect();
+                    steamrf_schemas::tables::with_sparse_terms(&tv, &refs)
+                },
+            )
             .transpose()?;
         let batch = take_out(TableName::Interactions, batch, "text", refused, rejected)?;
         Ok((batch, vectors))

@@ -210,7 +210,14 @@ async fn move_turn_vectors(db: &lancedb::Connection, report: &mut Report) -> Res
     }
     let vectors = crate::sink::open_or_create(db, TableName::TurnVectors).await?;
     let target = TableName::TurnVectors.schema();
-    let columns: Vec<&str> = target.fields().iter().map(|f| f.name().as_str()).collect();
+    // The sparse columns are newer than that layout: null on copied rows.
+    let sparse = steamrf_schemas::tables::sparse_fields();
+    let columns: Vec<&str> = target
+        .fields()
+        .iter()
+        .map(|f| f.name().as_str())
+        .filter(|c| sparse.iter().all(|f| f.name() != c))
+        .collect();
     let mut stream = interactions
         .query()
         .only_if("embedding IS NOT NULL")
@@ -227,7 +234,13 @@ async fn move_turn_vectors(db: &lancedb::Connection, report: &mut Report) -> Res
     {
         held += b.num_rows();
         // The columns in `turn_vectors`' order, under its schema.
-        pending_rows.push(RecordBatch::try_new(target.clone(), b.columns().to_vec())?);
+        let mut cols = b.columns().to_vec();
+        cols.extend(
+            sparse
+                .iter()
+                .map(|f| arrow_array::new_null_array(f.data_type(), b.num_rows())),
+        );
+        pending_rows.push(RecordBatch::try_new(target.clone(), cols)?);
         if held >= COPY_ROWS {
             copy(&vectors, std::mem::take(&mut pending_rows), report).await?;
             held = 0;

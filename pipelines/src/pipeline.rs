@@ -90,7 +90,8 @@ async fn run_inner(
             config.embed.item_template.clone(),
             metrics.clone(),
         )
-        .with_passage_turns(config.embed.passage_turns),
+        .with_passage_turns(config.embed.passage_turns)
+        .with_sparse(crate::embed::sparse_encoder(&config.embed)?),
     );
     let mut steam = if config.steam.enabled {
         let db = crate::sink::connect(&config.lancedb).await?;

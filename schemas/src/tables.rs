@@ -191,8 +191,89 @@ static TURN_VECTORS: LazyLock<SchemaRef> = LazyLock::new(|| {
     ];
     // The turn's own provenance.
     fields.extend(provenance_fields());
+    // Its learned sparse vector (SPLADE): term ids ascending and their
+    // weights; null where no sparse encoder ran. Last, so that a table
+    // written before they existed gains them as all-null columns on open.
+    fields.extend(sparse_fields());
     Arc::new(Schema::new(fields))
 });
+
+/// The sparse-vector columns of `turn_vectors`: `terms` (ascending term
+/// ids) and `weights`, both nullable lists.
+pub fn sparse_fields() -> [Field; 2] {
+    [
+        Field::new(
+            "terms",
+            DataType::List(Arc::new(Field::new("item", DataType::UInt32, false))),
+            true,
+        ),
+        Field::new(
+            "weights",
+            DataType::List(Arc::new(Field::new("item", DataType::Float32, false))),
+            true,
+        ),
+    ]
+}
+
+/// `batch` (a `turn_vectors` batch) with its `terms` and `weights` columns
+/// set from `sparse`, one entry per row (`None`: null, no vector).
+///
+/// # Errors
+/// If `sparse` has another length than the batch, an entry's terms and
+/// weights differ in length, or the batch lacks the columns.
+pub fn with_sparse_terms(
+    batch: &RecordBatch,
+    sparse: &[Option<(&[u32], &[f32])>],
+) -> Result<RecordBatch, ArrowError> {
+    use arrow_array::builder::UInt32Builder;
+    if sparse.len() != batch.num_rows() {
+        return Err(ArrowError::InvalidArgumentError(format!(
+            "{} sparse vectors for {} rows",
+            sparse.len(),
+            batch.num_rows()
+        )));
+    }
+    let [terms_field, weights_field] = sparse_fields();
+    let item = |f: &Field| match f.data_type() {
+        DataType::List(item) => item.clone(),
+        _ => unreachable!("the sparse fields are lists"),
+    };
+    let mut terms = ListBuilder::new(UInt32Builder::new()).with_field(item(&terms_field));
+    let mut weights = ListBuilder::new(Float32Builder::new()).with_field(item(&weights_field));
+    for s in sparse {
+        match s {
+            Some((t, w)) if t.len() == w.len() => {
+                terms.values().append_slice(t);
+                terms.append(true);
+                weights.values().append_slice(w);
+                weights.append(true);
+            }
+            Some((t, w)) => {
+                return Err(ArrowError::InvalidArgumentError(format!(
+                    "a sparse vector with {} terms and {} weights",
+                    t.len(),
+                    w.len()
+                )));
+            }
+            None => {
+                terms.append(false);
+                weights.append(false);
+            }
+        }
+    }
+    let schema = batch.schema();
+    let mut cols = batch.columns().to_vec();
+    for (name, array) in [
+        ("terms", Arc::new(terms.finish()) as ArrayRef),
+        ("weights", Arc::new(weights.finish()) as ArrayRef),
+    ] {
+        let (i, _) = schema.column_with_name(name).ok_or_else(|| {
+            ArrowError::InvalidArgumentError(format!("the batch lacks the {name} column"))
+        })?;
+        cols[i] = array;
+    }
+    RecordBatch::try_new(schema, cols)
+}
 
 static ITEMS: LazyLock<SchemaRef> = LazyLock::new(|| {
     let mut fields = vec![
@@ -687,6 +768,9 @@ pub fn turn_vectors(
             if f.name() == "embedding" {
                 return Ok(embedding.clone());
             }
+            if f.name() == "terms" || f.name() == "weights" {
+                return Ok(new_null_array(f.data_type(), rows.len()));
+            }
             let c = interactions.column_by_name(f.name()).ok_or_else(|| {
                 ArrowError::InvalidArgumentError(format!("interactions batch lacks {}", f.name()))
             })?;
@@ -924,5 +1008,21 @@ mod tests {
         assert!(turn_vectors(&batch, &[3], &vec![0.0; EMBEDDING_DIM]).is_err());
         assert!(turn_vectors(&batch, &[0], &[0.0; 3]).is_err());
         assert_eq!(turn_vectors(&batch, &[], &[]).unwrap().num_rows(), 0);
+        // No sparse vectors until they are set; then one row's, one null.
+        assert_eq!(tv.column_by_name("terms").unwrap().null_count(), 2);
+        let sv = with_sparse_terms(&tv, &[Some((&[3, 9], &[0.5, 2.0])), None]).unwrap();
+        assert_eq!(sv.schema(), TableName::TurnVectors.schema());
+        let terms = sv.column_by_name("terms").unwrap().as_list::<i32>();
+        assert!(terms.is_null(1));
+        assert_eq!(
+            terms
+                .value(0)
+                .as_primitive::<arrow_array::types::UInt32Type>()
+                .values()
+                .to_vec(),
+            [3, 9]
+        );
+        assert!(with_sparse_terms(&tv, &[None]).is_err());
+        assert!(with_sparse_terms(&tv, &[Some((&[1], &[])), None]).is_err());
     }
 }

@@ -248,9 +248,10 @@ fn eval_locomo_scores_the_turns_the_service_hands_over() {
     std::fs::write(
         &config,
         format!(
-            "[kafka]\nbrokers = \"{}\"\n[embed]\nmodel_dir = {:?}\n",
+            "[kafka]\nbrokers = \"{}\"\n[embed]\nmodel_dir = {:?}\nsparse_model_dir = {:?}\n",
             brokers(),
-            model_dir().display().to_string()
+            model_dir().display().to_string(),
+            sparse_model_dir().display().to_string()
         ),
     )
     .unwrap();

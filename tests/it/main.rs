@@ -1013,6 +1013,13 @@ fn long_sessions_are_found_through_their_passage_windows() {
     }
     .run_to_idle("");
     assert_eq!(count("SELECT count(*) AS n FROM passages"), 22);
+    // Every turn has its learned sparse vector (SPLADE-tiny).
+    assert_eq!(
+        count(
+            "SELECT count(*) AS n FROM turn_vectors WHERE terms IS NOT NULL AND array_length(terms) = array_length(weights) AND array_length(terms) > 5"
+        ),
+        22
+    );
 
     let config = cfg.write_with("[serve]\nrefresh_interval = \"200ms\"\n");
     let service = Service::start(&config);
@@ -1041,6 +1048,23 @@ fn long_sessions_are_found_through_their_passage_windows() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["items"][0]["id"], "errands", "{v}");
     assert!(v["items"][0]["lexical"].as_f64().unwrap() > 0.3, "{v}");
+    // Words the conversation never uses reach it through the turn's learned
+    // expansion ("married" → "marriage", "Lisbon" → "portugal"), which BM25
+    // cannot do.
+    let (_, body) = service.post(
+        "/v1/retrieve",
+        None,
+        r#"{"user_id":"pat","query":"marriage in Portugal","k":1}"#,
+    );
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let top = &v["items"][0];
+    assert_eq!(top["id"], "errands", "{v}");
+    assert!(top["content"].as_str().unwrap().contains("Marta"), "{v}");
+    let (sparse, lexical) = (
+        top["sparse"].as_f64().unwrap(),
+        top["lexical"].as_f64().unwrap(),
+    );
+    assert!(sparse > 0.5 && sparse > lexical, "{v}");
 }
 
 /// A tokens file in `dir`: `writer-token-0123456789` for tenant `default`,

@@ -191,10 +191,11 @@ fn a_revoked_token_stops_working_while_a_refresh_is_stalled() {
         format!(
             "[tenancy]\nseparator = \":\"\n[lancedb]\nuri = \"s3://lancedb/{}\"\n\
              [lancedb.storage_options]\n{options}\
-             [embed]\nmodel_dir = \"{}\"\n\
+             [embed]\nmodel_dir = \"{}\"\nsparse_model_dir = \"{}\"\n\
              [serve]\nrefresh_interval = \"200ms\"\ntokens_file = \"{}\"\n",
             unique("stalled"),
             model_dir().display(),
+            sparse_model_dir().display(),
             tokens.display()
         ),
     )

@@ -26,6 +26,11 @@ pub fn model_dir() -> PathBuf {
         .unwrap_or_else(|| repo_root().join(".tools/models/all-MiniLM-L6-v2"))
 }
 
+/// SPLADE-tiny, fetched by scripts/tools.sh.
+pub fn sparse_model_dir() -> PathBuf {
+    repo_root().join(".tools/models/splade-tiny")
+}
+
 pub fn brokers() -> String {
     let b = std::env::var("STEAMRF_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let first = b.split(',').next().unwrap().to_owned();
@@ -254,7 +259,7 @@ impl PipelineConfig<'_> {
         let path = self.dir.join(format!("{}.toml", self.group));
         let text = format!(
             "[kafka]\nbrokers = \"{}\"\ngroup_id = \"{}\"\ntopics = [\"{}\"]\ndead_letter_topic = \"{}\"\nmax_event_bytes = \"64KiB\"\nstatistics_interval = \"1s\"\n\
-             [batch]\nmax_rows = {}\nlinger = \"{}ms\"\n[lancedb]\nuri = \"{}\"\n[embed]\nmodel_dir = \"{}\"\n",
+             [batch]\nmax_rows = {}\nlinger = \"{}ms\"\n[lancedb]\nuri = \"{}\"\n[embed]\nmodel_dir = \"{}\"\nsparse_model_dir = \"{}\"\n",
             brokers(),
             self.group,
             self.topic,
@@ -262,7 +267,8 @@ impl PipelineConfig<'_> {
             self.max_rows,
             self.linger_ms,
             self.lancedb_uri(),
-            model_dir().display()
+            model_dir().display(),
+            sparse_model_dir().display()
         );
         std::fs::write(&path, text).unwrap();
         path

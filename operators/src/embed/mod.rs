@@ -15,6 +15,7 @@
 mod minilm;
 mod native;
 mod remote;
+mod sparse;
 #[cfg(test)]
 mod tests;
 
@@ -25,6 +26,7 @@ use futures::future::BoxFuture;
 
 pub use minilm::{Backend, MiniLm, MiniLmOptions, Precision};
 pub use remote::{RemoteEmbedder, RemoteOptions};
+pub use sparse::{SparseVec, Splade, SpladeOptions};
 
 /// The dimension of all-MiniLM-L6-v2, and of every embedding column.
 pub const MINILM_DIM: usize = 384;

@@ -91,9 +91,33 @@ struct Weights<'a> {
 
 impl Weights<'_> {
     fn get(&self, name: &str, len: usize) -> Result<Vec<f32>, String> {
+        // Older BERT checkpoints name a layer norm's weight and bias
+        // `gamma` and `beta`.
+        let legacy = name
+            .strip_suffix("LayerNorm.weight")
+            .map(|p| format!("{p}LayerNorm.gamma"))
+            .or_else(|| {
+                name.strip_suffix("LayerNorm.bias")
+                    .map(|p| format!("{p}LayerNorm.beta"))
+            });
         let view = self
             .tensors
             .tensor(&format!("{}{name}", self.prefix))
+            .or_else(|e| match &legacy {
+                Some(l) => self.tensors.tensor(&format!("{}{l}", self.prefix)),
+                None => Err(e),
+            })
+            .or_else(|e| {
+                // Heads outside the encoder (`cls.…`) carry no prefix.
+                if self.prefix.is_empty() {
+                    Err(e)
+                } else {
+                    self.tensors.tensor(name).or_else(|e| match &legacy {
+                        Some(l) => self.tensors.tensor(l),
+                        None => Err(e),
+                    })
+                }
+            })
             .map_err(|_| format!("tensor {name} is missing"))?;
         let v = if view.dtype() == safetensors::Dtype::F32 {
             // The common case, copied straight from the file's bytes.
@@ -196,6 +220,39 @@ impl NativeBert {
     /// Mean-pooled (not normalised) hidden states, one row per sequence.
     pub(super) fn forward(&self, seqs: &[&[u32]]) -> Result<Vec<f32>, String> {
         let h = self.hidden;
+        let x = self.hidden_states(seqs)?;
+        // Mean pooling over each sequence's tokens.
+        let mut pooled = vec![0.0f32; seqs.len() * h];
+        let mut start = 0;
+        for (r, s) in seqs.iter().enumerate() {
+            let dst = &mut pooled[r * h..(r + 1) * h];
+            for t in start..start + s.len() {
+                add_assign(dst, &x[t * h..(t + 1) * h]);
+            }
+            let n = (s.len() as f32).max(1e-9);
+            for v in dst.iter_mut() {
+                *v /= n;
+            }
+            start += s.len();
+        }
+        Ok(pooled)
+    }
+
+    /// The hidden size.
+    pub(super) fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// The word embeddings (`vocab × hidden`), which a masked-LM head's
+    /// decoder shares.
+    pub(super) fn word_embeddings(&self) -> &[f32] {
+        &self.word
+    }
+
+    /// The last layer's hidden state of every token, the sequences'
+    /// tokens concatenated (`Σ len × hidden`).
+    pub(super) fn hidden_states(&self, seqs: &[&[u32]]) -> Result<Vec<f32>, String> {
+        let h = self.hidden;
         let dh = h / self.heads;
         let total: usize = seqs.iter().map(|s| s.len()).sum();
         let longest = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
@@ -267,20 +324,52 @@ impl NativeBert {
             add_assign(&mut x, &attn);
             layer_norm(&mut x, &layer.ln2_g, &layer.ln2_b, self.eps);
         }
-        // Mean pooling over each sequence's tokens.
-        let mut pooled = vec![0.0f32; seqs.len() * h];
-        let mut start = 0;
-        for (r, s) in seqs.iter().enumerate() {
-            let dst = &mut pooled[r * h..(r + 1) * h];
-            for t in start..start + s.len() {
-                add_assign(dst, &x[t * h..(t + 1) * h]);
-            }
-            let n = (s.len() as f32).max(1e-9);
-            for v in dst.iter_mut() {
-                *v /= n;
-            }
-            start += s.len();
-        }
-        Ok(pooled)
+        Ok(x)
+    }
+}
+
+/// A BERT masked-LM head (`cls.predictions`): dense + GELU + layer norm,
+/// then the decoder, whose weights are the word embeddings (tied).
+pub(super) struct MlmHead {
+    dense_w: Vec<f32>,
+    dense_b: Vec<f32>,
+    ln_g: Vec<f32>,
+    ln_b: Vec<f32>,
+    /// The decoder's bias, one per vocabulary entry.
+    pub(super) bias: Vec<f32>,
+    eps: f32,
+}
+
+impl MlmHead {
+    /// Loads `cls.predictions.*` from the same safetensors file as `bert`.
+    pub(super) fn load(bytes: &[u8], bert: &NativeBert, eps: f32) -> Result<Self, String> {
+        let tensors = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+        let w = Weights {
+            tensors,
+            prefix: "",
+        };
+        let h = bert.hidden;
+        let vocab = bert.word.len() / h;
+        let bias = w
+            .get("cls.predictions.bias", vocab)
+            .or_else(|_| w.get("cls.predictions.decoder.bias", vocab))?;
+        Ok(Self {
+            dense_w: w.get("cls.predictions.transform.dense.weight", h * h)?,
+            dense_b: w.get("cls.predictions.transform.dense.bias", h)?,
+            ln_g: w.get("cls.predictions.transform.LayerNorm.weight", h)?,
+            ln_b: w.get("cls.predictions.transform.LayerNorm.bias", h)?,
+            bias,
+            eps,
+        })
+    }
+
+    /// The head's transform of `x` (`t × hidden`), before the decoder.
+    pub(super) fn transform(&self, x: &[f32], t: usize) -> Vec<f32> {
+        let h = self.dense_b.len();
+        let mut out = vec![0.0f32; t * h];
+        linear(&mut out, x, &self.dense_w, &self.dense_b, t, h, h);
+        gelu_erf(&mut out);
+        layer_norm(&mut out, &self.ln_g, &self.ln_b, self.eps);
+        out
     }
 }

@@ -472,3 +472,136 @@ fn remote_embedder_rejects_a_wrong_dimension() {
 fn manifest_dir() -> String {
     std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned())
 }
+
+/// SPLADE-tiny, fetched by `scripts/tools.sh`.
+pub(crate) fn splade_dir() -> PathBuf {
+    let dir = PathBuf::from(manifest_dir()).join("../.tools/models/splade-tiny");
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "SPLADE-tiny is missing at {}: run scripts/tools.sh",
+        dir.display()
+    );
+    dir
+}
+
+/// The reference: PyTorch's `BertForMaskedLM` on the same files,
+/// `log1p(relu(logits)).max(tokens)`, the number of non-zero terms and the
+/// six largest (transformers 5.24, 2026-12-06).
+#[test]
+fn splade_matches_the_pytorch_reference() {
+    let m = Splade::load(
+        &splade_dir(),
+        SpladeOptions {
+            top_terms: 0,
+            precision: Precision::F32,
+            ..SpladeOptions::default()
+        },
+    )
+    .unwrap();
+    let cases: [(&str, usize, [(u32, f32); 6]); 2] = [
+        (
+            "Caroline: I adopted a puppy from the shelter last week!",
+            30,
+            [
+                (7981, 2.0334),
+                (2733, 1.9436),
+                (7713, 1.6867),
+                (2197, 1.4924),
+                (6077, 1.4011),
+                (6423, 1.2963),
+            ],
+        ),
+        (
+            "When did Melanie paint a sunrise?",
+            18,
+            [
+                (2043, 2.296),
+                (6773, 2.2181),
+                (13932, 2.2085),
+                (2016, 1.8694),
+                (2001, 1.7178),
+                (14225, 1.4542),
+            ],
+        ),
+    ];
+    let texts: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    // Once in one pass, once each on its own: the same vectors.
+    let together = m.encode(&texts).unwrap();
+    for (i, (text, nnz, top)) in cases.iter().enumerate() {
+        let alone = m.encode(&[text]).unwrap().remove(0);
+        assert_eq!(alone.terms, together[i].terms);
+        let v = &together[i];
+        assert_eq!(v.len(), *nnz, "{text}");
+        for (term, w) in top {
+            let at = v.terms.binary_search(term).expect("a top term is present");
+            assert!(
+                (v.weights[at] - w).abs() < 1e-3,
+                "{text}: term {term} {} vs {w}",
+                v.weights[at]
+            );
+        }
+    }
+    // The integer decoders, where this CPU has VNNI: the same terms, the
+    // top weights within 0.01 (int16) and 0.05 (int8) of f32's.
+    if steamrf_kernels::quant::vnni_available() {
+        for (precision, tol) in [(Precision::Int16, 0.01f32), (Precision::Int8, 0.05)] {
+            eprintln!("SPLADE decoder parity: {} against f32", precision.as_str());
+            let q = Splade::load(
+                &splade_dir(),
+                SpladeOptions {
+                    top_terms: 0,
+                    precision,
+                    ..SpladeOptions::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(q.options().precision, precision);
+            for (v, f) in q.encode(&texts).unwrap().iter().zip(&together) {
+                assert!(
+                    v.len().abs_diff(f.len()) <= 2,
+                    "{precision:?}: {} vs {} terms",
+                    v.len(),
+                    f.len()
+                );
+                for (t, w) in f.terms.iter().zip(&f.weights).filter(|p| *p.1 > 1.0) {
+                    let at = v.terms.binary_search(t).expect("a strong term is kept");
+                    assert!(
+                        (v.weights[at] - w).abs() < tol,
+                        "{precision:?}: term {t} {} vs {w}",
+                        v.weights[at]
+                    );
+                }
+            }
+        }
+    } else {
+        eprintln!("SPLADE decoder parity: integer paths skipped, this CPU has no AVX-512 VNNI");
+    }
+    // The cap keeps the largest.
+    let capped = Splade::load(
+        &splade_dir(),
+        SpladeOptions {
+            top_terms: 3,
+            precision: Precision::F32,
+            ..SpladeOptions::default()
+        },
+    )
+    .unwrap()
+    .encode(&texts[..1])
+    .unwrap()
+    .remove(0);
+    assert_eq!(capped.terms, vec![2733, 7713, 7981]);
+}
+
+#[test]
+fn sparse_vectors_dot_and_max() {
+    let a = SparseVec::from_pairs(vec![(5, 1.0), (1, 2.0), (9, -1.0), (5, 3.0)]);
+    assert_eq!(a.terms, vec![1, 5]);
+    assert_eq!(a.weights, vec![2.0, 3.0]);
+    let b = SparseVec::from_pairs(vec![(5, 0.5), (7, 4.0)]);
+    assert_eq!(a.dot(&b), 1.5);
+    assert_eq!(b.dot(&a), 1.5);
+    assert_eq!(a.dot(&SparseVec::default()), 0.0);
+    let m = SparseVec::max_of([&a, &b]);
+    assert_eq!(m.terms, vec![1, 5, 7]);
+    assert_eq!(m.weights, vec![2.0, 3.0, 4.0]);
+}

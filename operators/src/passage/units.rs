@@ -10,11 +10,14 @@
 //!   familiarity or recollection, as for rows) and the windows BM25 scores
 //!   best over the windows' own text ([`Units::lexical`]), so a name or a
 //!   date in one turn is found even when its session is about something
-//!   else.
+//!   else; and, when the windows carry learned sparse vectors (SPLADE, the
+//!   term-wise max of their turns' vectors), the windows those score best
+//!   ([`Units::with_sparse`]).
 //! - **Score**: each candidate window's dense score is `mix · cos(window) +
 //!   (1 − mix) · cos(its row)`, its lexical score its BM25 over the query's
-//!   ceiling (0–1), fused as rows are: `dense + lexical_weight · lexical`,
-//!   with their own weights ([`UnitParams`]).
+//!   ceiling (0–1) and its sparse score its SPLADE dot product over the
+//!   query's ceiling (0–1), fused as `dense + lexical_weight · lexical +
+//!   sparse_weight · sparse`, with their own weights ([`UnitParams`]).
 //! - **Units under a budget**: windows are taken best first, each handing
 //!   over only its turns not handed over yet, at its rank (so the best
 //!   evidence comes first however long its session); turns that continue
@@ -32,8 +35,8 @@ use std::collections::HashSet;
 use serde::{Deserialize, Serialize};
 
 use super::{HybridParams, PassageIndex};
-use crate::embed::normalize;
-use crate::lexical::Bm25Index;
+use crate::embed::{SparseVec, normalize};
+use crate::lexical::{Bm25Index, SparseIndex};
 use crate::rfmem::{self, Answer, Error, RfMemParams};
 use crate::steam::memory::dot;
 
@@ -45,6 +48,8 @@ pub struct Units {
     pub(super) spans: Vec<(u32, u32)>,
     /// BM25 over each window's text, in window order.
     pub(super) lexical: Option<Bm25Index>,
+    /// Each window's learned sparse vector, in window order.
+    pub(super) sparse: Option<SparseIndex>,
 }
 
 impl Units {
@@ -52,12 +57,26 @@ impl Units {
     /// is its own window); `lexical`, when given, indexes the windows'
     /// texts in the same order.
     pub fn new(spans: Vec<(u32, u32)>, lexical: Option<Bm25Index>) -> Self {
-        Self { spans, lexical }
+        Self {
+            spans,
+            lexical,
+            sparse: None,
+        }
+    }
+
+    /// With the windows' learned sparse vectors, in window order (one per
+    /// window, or the index is refused by [`PassageIndex::with_units`]).
+    #[must_use]
+    pub fn with_sparse(mut self, sparse: SparseIndex) -> Self {
+        self.sparse = Some(sparse);
+        self
     }
 
     /// Approximate heap bytes held.
     pub fn bytes(&self) -> usize {
-        self.spans.capacity() * 8 + self.lexical.as_ref().map_or(0, Bm25Index::bytes)
+        self.spans.capacity() * 8
+            + self.lexical.as_ref().map_or(0, Bm25Index::bytes)
+            + self.sparse.as_ref().map_or(0, SparseIndex::bytes)
     }
 }
 
@@ -74,6 +93,9 @@ pub struct UnitParams {
     /// Weight of the window's BM25 (over its ceiling) against the dense
     /// score.
     pub lexical_weight: f32,
+    /// Weight of the window's SPLADE score (over its ceiling) against the
+    /// dense score; 0 turns the sparse side off.
+    pub sparse_weight: f32,
     /// Windows fetched from each side per unit asked for.
     pub expand: usize,
 }
@@ -83,6 +105,7 @@ impl Default for UnitParams {
         Self {
             mix: 0.75,
             lexical_weight: 1.0,
+            sparse_weight: 1.5,
             expand: 4,
         }
     }
@@ -104,6 +127,12 @@ impl UnitParams {
     /// # Errors
     /// [`Error::Invalid`].
     pub fn validate(&self) -> Result<(), Error> {
+        if !(self.sparse_weight.is_finite() && self.sparse_weight >= 0.0) {
+            return Err(Error::Invalid {
+                field: "units.sparse_weight",
+                reason: format!("must be a finite number >= 0, got {}", self.sparse_weight),
+            });
+        }
         self.hybrid().validate().map_err(|e| match e {
             Error::Invalid { field, reason } => Error::Invalid {
                 field: match field {
@@ -145,6 +174,8 @@ pub struct UnitHit {
     pub dense: f32,
     /// Its lexical part (0–1).
     pub lexical: f32,
+    /// Its learned sparse part (0–1).
+    pub sparse: f32,
     /// The recollection round that found it (0: familiarity or lexical).
     pub round: u32,
 }
@@ -170,6 +201,8 @@ pub struct UnitAnswer {
     pub dense: Answer,
     /// Windows among the candidates that only the lexical side proposed.
     pub lexical_only: usize,
+    /// Windows among the candidates that only the sparse side proposed.
+    pub sparse_only: usize,
 }
 
 /// Ranks `index`'s windows for `query` and takes units under `budget` (see
@@ -182,6 +215,7 @@ pub fn retrieve_units_until(
     index: &PassageIndex,
     query: &[f32],
     query_text: Option<&str>,
+    query_sparse: Option<&SparseVec>,
     p: &RfMemParams,
     u: &UnitParams,
     budget: UnitBudget,
@@ -213,33 +247,23 @@ pub fn retrieve_units_until(
     }
     dense.hits.clear();
     // Every window's BM25 over the query's ceiling (a dense vector: cheap
-    // to fill and to look up), and its top windows as candidates.
+    // to fill and to look up), and its top windows as candidates; the same
+    // for the windows' sparse vectors.
     let mut lexical: Vec<f32> = Vec::new();
     let mut lexical_only = 0;
     if h.lexical_weight > 0.0
         && let (Some(ix), Some(text)) = (&units.lexical, query_text)
     {
-        let max = ix.max_score(text);
-        if max > 0.0 {
-            lexical = ix.dense_scores(text);
-            lexical.iter_mut().for_each(|s| *s /= max);
-            let l = &lexical;
-            let order = |a: &u32, b: &u32| l[*b as usize].total_cmp(&l[*a as usize]).then(a.cmp(b));
-            let mut top: Vec<u32> = (0..l.len() as u32)
-                .filter(|&w| l[w as usize] > 0.0)
-                .collect();
-            if top.len() > wide.k {
-                top.select_nth_unstable_by(wide.k - 1, order);
-                top.truncate(wide.k);
-            }
-            top.sort_by(order);
-            for w in top {
-                if seen.insert(w) {
-                    candidates.push((w, 0));
-                    lexical_only += 1;
-                }
-            }
-        }
+        lexical = over_ceiling(ix.dense_scores(text), ix.max_score(text));
+        lexical_only = add_top(&lexical, wide.k, &mut seen, &mut candidates);
+    }
+    let mut sparse: Vec<f32> = Vec::new();
+    let mut sparse_only = 0;
+    if u.sparse_weight > 0.0
+        && let (Some(ix), Some(q)) = (&units.sparse, query_sparse)
+    {
+        sparse = over_ceiling(ix.dense_scores(q), ix.max_score(q));
+        sparse_only = add_top(&sparse, wide.k, &mut seen, &mut candidates);
     }
     let mut scored: Vec<UnitHit> = candidates
         .into_iter()
@@ -249,15 +273,17 @@ pub fn retrieve_units_until(
             let whole = dot(&q, index.rows.vector(row as usize));
             let d = h.mix * cos + (1.0 - h.mix) * whole;
             let lex = lexical.get(w as usize).copied().unwrap_or(0.0);
+            let sp = sparse.get(w as usize).copied().unwrap_or(0.0);
             let (start, end) = units.spans.get(w as usize).copied().unwrap_or((0, 0));
             UnitHit {
                 row,
                 start,
                 end,
                 window: w,
-                score: d + h.lexical_weight * lex,
+                score: d + h.lexical_weight * lex + u.sparse_weight * sp,
                 dense: d,
                 lexical: lex,
+                sparse: sp,
                 round,
             }
         })
@@ -268,7 +294,50 @@ pub fn retrieve_units_until(
         hits: take_units(scored, budget),
         dense,
         lexical_only,
+        sparse_only,
     })
+}
+
+/// `scores` over `ceiling` (all 0 when the ceiling is 0: no query term is
+/// indexed).
+fn over_ceiling(mut scores: Vec<f32>, ceiling: f32) -> Vec<f32> {
+    if ceiling > 0.0 {
+        scores.iter_mut().for_each(|s| *s /= ceiling);
+    } else {
+        scores.clear();
+    }
+    scores
+}
+
+/// Adds the `k` best windows of `scores` (those above 0) to the candidates
+/// not seen yet; returns how many it added.
+fn add_top(
+    scores: &[f32],
+    k: usize,
+    seen: &mut HashSet<u32>,
+    candidates: &mut Vec<(u32, u32)>,
+) -> usize {
+    let order = |a: &u32, b: &u32| {
+        scores[*b as usize]
+            .total_cmp(&scores[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut top: Vec<u32> = (0..scores.len() as u32)
+        .filter(|&w| scores[w as usize] > 0.0)
+        .collect();
+    if top.len() > k && k > 0 {
+        top.select_nth_unstable_by(k - 1, order);
+        top.truncate(k);
+    }
+    top.sort_by(order);
+    let mut added = 0;
+    for w in top {
+        if seen.insert(w) {
+            candidates.push((w, 0));
+            added += 1;
+        }
+    }
+    added
 }
 
 /// Takes windows (best first) as units under `budget`: each window hands
@@ -388,6 +457,7 @@ mod tests {
         let u = UnitParams {
             mix: 1.0,
             lexical_weight: 1.0,
+            sparse_weight: 0.0,
             expand: 4,
         };
         let budget = UnitBudget {
@@ -395,7 +465,8 @@ mod tests {
             turns: 30,
         };
         let q = [1.0, 0.0, 0.0, 0.0];
-        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &u, budget, &|| false).unwrap();
+        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), None, &p, &u, budget, &|| false)
+            .unwrap();
         let spans = spans(&a.hits);
         // Windows 0 and 1 (consecutive ranks) are one unit, turns 0..4;
         // window 3 (the name) is a second unit of the same session, 5..8,
@@ -413,17 +484,88 @@ mod tests {
             lexical_weight: 0.0,
             ..u
         };
-        let a =
-            retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &dense, budget, &|| false).unwrap();
+        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), None, &p, &dense, budget, &|| {
+            false
+        })
+        .unwrap();
         assert_eq!(a.lexical_only, 0);
         // The turn budget holds whatever k is.
         let tight = UnitBudget { units: 3, turns: 2 };
-        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), &p, &u, tight, &|| false).unwrap();
+        let a = retrieve_units_until(&ix, &q, Some("Coltrane"), None, &p, &u, tight, &|| false)
+            .unwrap();
         assert_eq!(a.hits.iter().map(UnitHit::turns).sum::<usize>(), 2, "{a:?}");
         // An index without units is refused, not answered wrongly.
         let bare =
             PassageIndex::new(store(&[[1.0, 0.0, 0.0, 0.0]]), store(&[]), vec![], None).unwrap();
-        assert!(retrieve_units_until(&bare, &q, None, &p, &u, budget, &|| false).is_err());
+        assert!(retrieve_units_until(&bare, &q, None, None, &p, &u, budget, &|| false).is_err());
+    }
+
+    #[test]
+    fn a_window_is_found_by_its_sparse_vector_alone() {
+        // Window 2 shares no word with the query and points away from it,
+        // but its learned expansion holds term 42 ("dog" for "puppy").
+        let sparse: Vec<SparseVec> = (0..5)
+            .map(|w| match w {
+                2 => SparseVec::from_pairs(vec![(42, 2.0), (7, 0.5)]),
+                0 => SparseVec::from_pairs(vec![(7, 0.1)]),
+                _ => SparseVec::default(),
+            })
+            .collect();
+        let ix = index();
+        let units = ix.units.as_ref().unwrap();
+        let ix = PassageIndex {
+            units: Some(
+                Units::new(units.spans.clone(), None).with_sparse(SparseIndex::new(&sparse)),
+            ),
+            ..ix
+        };
+        let p = RfMemParams {
+            mode: Mode::Familiarity,
+            k: 1,
+            ..RfMemParams::default()
+        };
+        let u = UnitParams {
+            mix: 1.0,
+            lexical_weight: 0.0,
+            sparse_weight: 2.0,
+            expand: 1,
+        };
+        let budget = UnitBudget {
+            units: 2,
+            turns: 30,
+        };
+        let q = [1.0, 0.0, 0.0, 0.0];
+        let query = SparseVec::from_pairs(vec![(42, 1.0)]);
+        let a =
+            retrieve_units_until(&ix, &q, None, Some(&query), &p, &u, budget, &|| false).unwrap();
+        assert_eq!(a.sparse_only, 1, "{a:?}");
+        let hit = a
+            .hits
+            .iter()
+            .find(|h| h.window == 2)
+            .expect("found by its sparse vector");
+        // Its sparse part is its score over the query's ceiling: 1.
+        assert_eq!(hit.sparse, 1.0);
+        assert_eq!(a.hits[0].window, 2, "weight 2 puts it first: {a:?}");
+        // Off, it is not proposed.
+        let off = UnitParams {
+            sparse_weight: 0.0,
+            ..u
+        };
+        let a =
+            retrieve_units_until(&ix, &q, None, Some(&query), &p, &off, budget, &|| false).unwrap();
+        assert!(
+            a.hits.iter().all(|h| h.window != 2 && h.sparse == 0.0),
+            "{a:?}"
+        );
+        // A bad weight names its field.
+        let bad = UnitParams {
+            sparse_weight: f32::NAN,
+            ..u
+        };
+        let e = retrieve_units_until(&ix, &q, None, Some(&query), &p, &bad, budget, &|| false)
+            .unwrap_err();
+        assert!(e.to_string().contains("units.sparse_weight"), "{e}");
     }
 
     fn w(row: u32, start: u32, end: u32, score: f32) -> UnitHit {
@@ -435,6 +577,7 @@ mod tests {
             score,
             dense: score,
             lexical: 0.0,
+            sparse: 0.0,
             round: 0,
         }
     }

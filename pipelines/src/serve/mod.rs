@@ -166,7 +166,8 @@ pub async fn run(config: Config, listen: Option<SocketAddr>, stop: Arc<AtomicBoo
         Snapshot::default(),
         tables.clone(),
     )
-    .with_min_users(config.steam.min_users);
+    .with_min_users(config.steam.min_users)
+    .with_sparse(crate::embed::sparse_encoder(&config.embed)?);
     if config.serve.accept_events {
         let sink = events::EventSink::new(&config)?;
         tracing::info!(?sink, "POST /v1/events is on.");

@@ -65,6 +65,10 @@ pub struct Item {
     /// The lexical part: the row's BM25 score for the query text over the
     /// most any row could score for it (0–1; 0 without query text).
     pub lexical: f32,
+    /// The learned sparse part of an evidence unit: its window's SPLADE
+    /// score for the query text over the most any window could score for it
+    /// (0–1; 0 on the row path, without query text or sparse vectors).
+    pub sparse: f32,
     /// For a session: the turns handed over (an evidence unit's span, or
     /// on the row path the window that scored best).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -126,6 +130,9 @@ pub struct Explanation {
     /// Rows among the answer's candidates that only the lexical side
     /// proposed.
     pub lexical_only: usize,
+    /// Windows among the answer's candidates that only the learned sparse
+    /// side proposed.
+    pub sparse_only: usize,
     /// Rows in the user's corpus.
     pub corpus_rows: usize,
     /// The user's interactions older than the `serve.max_user_rows` most
@@ -358,17 +365,42 @@ pub(super) fn answer(
     budget: &Budget,
 ) -> Result<RetrieveResponse, ApiError> {
     let corpus = &view.user.corpus.index;
+    let mut embed_time = embed_time;
+    let mut sparse_only = 0;
     let (a, spans) = if corpus.has_units() {
         let units = UnitBudget {
             units: p.k,
             turns: max_turns,
         };
-        let u =
-            passage::retrieve_units_until(corpus, q, query_text, p, &st.cfg.units, units, &|| {
-                budget.exhausted()
-            })
-            .map_err(api_error)?;
-        let spans: Vec<(u32, u32)> = u.hits.iter().map(|h| (h.start, h.end)).collect();
+        // The query's sparse vector, where the windows carry sparse vectors.
+        let query_sparse = match (&st.sparse, query_text) {
+            (Some(enc), Some(text))
+                if corpus.has_sparse_units() && st.cfg.units.sparse_weight > 0.0 =>
+            {
+                let t = Instant::now();
+                let v = enc
+                    .encode(&[text])
+                    .map_err(|e| ApiError::internal(format!("sparse-encoding the query: {e}")))?
+                    .pop();
+                embed_time += t.elapsed();
+                v
+            }
+            _ => None,
+        };
+        let u = passage::retrieve_units_until(
+            corpus,
+            q,
+            query_text,
+            query_sparse.as_ref(),
+            p,
+            &st.cfg.units,
+            units,
+            &|| budget.exhausted(),
+        )
+        .map_err(api_error)?;
+        sparse_only = u.sparse_only;
+        let spans: Vec<(u32, u32, f32)> =
+            u.hits.iter().map(|h| (h.start, h.end, h.sparse)).collect();
         (as_rows(u), spans)
     } else {
         let a = passage::retrieve_until(corpus, q, query_text, p, &st.cfg.hybrid, &|| {
@@ -398,7 +430,7 @@ pub(super) fn answer(
             let passage = match spans.get(i) {
                 // An evidence unit: its turns (merged windows), named by
                 // its last turn.
-                Some(&(start, end)) if end > 0 => Some(cache::Window {
+                Some(&(start, end, _)) if end > 0 => Some(cache::Window {
                     event_id: e.source_event_ids.get(end as usize - 1)?.clone(),
                     start,
                     end,
@@ -418,6 +450,7 @@ pub(super) fn answer(
                 score: h.score,
                 dense: h.dense,
                 lexical: h.lexical,
+                sparse: spans.get(i).map_or(0.0, |s| s.2),
                 passage,
                 round: h.round,
                 provenance: Provenance {
@@ -446,6 +479,7 @@ pub(super) fn answer(
             candidates: a.candidates,
             filled: a.filled,
             lexical_only: a.lexical_only,
+            sparse_only,
             corpus_rows: corpus.len(),
             user_rows_cut: view.user.rows_cut,
             approximate: corpus.rows().is_approximate(),

@@ -56,6 +56,8 @@ pub struct AppState {
     /// when at least this many of them chose it.
     pub(super) min_users: usize,
     pub(super) embedder: Option<Arc<dyn Embedder>>,
+    /// The learned sparse encoder of queries (`embed.sparse_model_dir`).
+    pub(super) sparse: Option<Arc<steamrf_operators::embed::Splade>>,
     pub(super) auth: RwLock<Arc<Auth>>,
     pub(super) metrics: ServeMetrics,
     /// Permits for requests being answered (`serve.max_in_flight`).
@@ -103,6 +105,7 @@ impl AppState {
             separator,
             min_users: steamrf_operators::steam::SteamParams::default().min_users,
             embedder,
+            sparse: None,
             auth: RwLock::new(Arc::new(auth)),
             metrics,
             born: Instant::now(),
@@ -117,6 +120,14 @@ impl AppState {
     #[must_use]
     pub fn with_min_users(mut self, min_users: usize) -> Self {
         self.min_users = min_users;
+        self
+    }
+
+    /// Encodes text queries with `encoder` too, for evidence units whose
+    /// windows carry sparse vectors.
+    #[must_use]
+    pub fn with_sparse(mut self, encoder: Option<Arc<steamrf_operators::embed::Splade>>) -> Self {
+        self.sparse = encoder;
         self
     }
 

@@ -125,6 +125,63 @@ pub(super) async fn primary_key_declared(table: &Table, key: &str) -> Result<boo
         .any(|f| f.name == key))
 }
 
+/// The columns `expected` has beyond `actual` when `actual` is exactly its
+/// first columns and every one of the rest is nullable: a table written
+/// before those columns existed, which gains them as all-null columns
+/// (a metadata-only commit in Lance) instead of needing `steamrf migrate`.
+fn added_columns(
+    actual: &arrow_schema::Schema,
+    expected: &arrow_schema::Schema,
+) -> Option<Vec<arrow_schema::FieldRef>> {
+    let (a, e) = (actual.fields(), expected.fields());
+    let same = |x: &arrow_schema::Field, y: &arrow_schema::Field| {
+        x.name() == y.name() && x.data_type() == y.data_type()
+    };
+    (a.len() < e.len()
+        && a.iter().zip(e.iter()).all(|(x, y)| same(x, y))
+        && e[a.len()..].iter().all(|f| f.is_nullable()))
+    .then(|| e[a.len()..].to_vec())
+}
+
+/// Adds `fields` to `table` as all-null columns. Another instance may add
+/// them first: the table is then refreshed and, when it has them, left as it is.
+async fn add_null_columns(
+    table: &Table,
+    name: &str,
+    fields: Vec<arrow_schema::FieldRef>,
+) -> Result<()> {
+    let added: Vec<String> = fields.iter().map(|f| f.name().clone()).collect();
+    let schema = Arc::new(arrow_schema::Schema::new(fields));
+    match table
+        .add_columns()
+        .transform(lance::dataset::NewColumnTransform::AllNulls(schema))
+        .execute()
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(table = name, columns = ?added, "Added the columns this build writes (all null on existing rows).");
+            Ok(())
+        }
+        Err(e) => {
+            table
+                .checkout_latest()
+                .await
+                .map_err(Error::lance(format!("refreshing {name}")))?;
+            let schema = table
+                .schema()
+                .await
+                .map_err(Error::lance("reading the schema"))?;
+            if added.iter().all(|c| schema.field_with_name(c).is_ok()) {
+                Ok(())
+            } else {
+                Err(Error::lance(format!("adding columns {added:?} to {name}"))(
+                    e,
+                ))
+            }
+        }
+    }
+}
+
 /// [`open_or_create`] for any table name and schema.
 ///
 /// # Errors
@@ -154,10 +211,17 @@ pub async fn open_or_create_named(
         }
         Err(e) => return Err(Error::lance(format!("opening {name}"))(e)),
     };
-    let actual = table
+    let mut actual = table
         .schema()
         .await
         .map_err(Error::lance("reading the schema"))?;
+    if let Some(missing) = added_columns(&actual, &expected) {
+        add_null_columns(&table, name, missing).await?;
+        actual = table
+            .schema()
+            .await
+            .map_err(Error::lance("reading the schema"))?;
+    }
     let names = |s: &arrow_schema::Schema| {
         s.fields()
             .iter()

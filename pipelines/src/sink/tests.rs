@@ -791,6 +791,62 @@ async fn one_event_id_of_two_users_is_two_rows_and_each_is_stored_once() {
     assert_eq!(n, 4);
 }
 
+/// A `turn_vectors` table written before the sparse columns existed gains
+/// them, all null, when a new build opens it; its rows stay.
+#[tokio::test]
+async fn an_older_turn_vectors_table_gains_the_sparse_columns_on_open() {
+    let (dir, s) = sink().await;
+    drop(s);
+    let cfg = lancedb_config(dir.path());
+    let db = connect(&cfg).await.unwrap();
+    db.drop_table("turn_vectors", &[]).await.unwrap();
+    let full = TableName::TurnVectors.schema();
+    let old = Arc::new(arrow_schema::Schema::new(
+        full.fields()[..full.fields().len() - 2].to_vec(),
+    ));
+    let row = RecordBatch::try_new(
+        old.clone(),
+        old.fields()
+            .iter()
+            .map(|f| match f.name().as_str() {
+                "embedding" => steamrf_schemas::tables::embedding_array(
+                    &[0.5; steamrf_schemas::tables::EMBEDDING_DIM],
+                    1,
+                )
+                .unwrap(),
+                _ => arrow_array::new_null_array(f.data_type(), 1),
+            })
+            .map(|a| match a.data_type() {
+                arrow_schema::DataType::Utf8 => {
+                    Arc::new(arrow_array::StringArray::from(vec!["x"])) as arrow_array::ArrayRef
+                }
+                arrow_schema::DataType::Int32 => Arc::new(arrow_array::Int32Array::from(vec![0])),
+                arrow_schema::DataType::Int64 => Arc::new(arrow_array::Int64Array::from(vec![0])),
+                arrow_schema::DataType::Timestamp(..) => Arc::new(
+                    arrow_array::TimestampMillisecondArray::from(vec![0]).with_timezone("UTC"),
+                ),
+                _ => a,
+            })
+            .collect(),
+    )
+    .unwrap();
+    db.create_table("turn_vectors", row)
+        .execute()
+        .await
+        .unwrap();
+    let s = LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+    let t = s.table(TableName::TurnVectors);
+    assert_eq!(
+        t.schema().await.unwrap().fields().len(),
+        full.fields().len()
+    );
+    assert_eq!(t.count_rows(None).await.unwrap(), 1);
+    assert_eq!(t.count_rows(Some("terms IS NULL".into())).await.unwrap(), 1);
+    // Opening again changes nothing.
+    drop(s);
+    LanceSink::open(&cfg, Metrics::new(&[])).await.unwrap();
+}
+
 #[tokio::test]
 async fn reopening_checks_the_schema() {
     let (dir, s) = sink().await;

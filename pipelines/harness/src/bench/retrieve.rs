@@ -354,6 +354,7 @@ fn hybrid(
             index,
             &queries[i],
             Some(&qtext[i]),
+            None,
             &cfg.rfmem,
             &cfg.units,
             budget,

@@ -614,12 +614,21 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
             "Sweep over the same tables ([serve.units] from {:?}; the configuration's first):",
             config.serve.units
         ));
-        lines.push("| [serve.units] | R@5 | R@10 | R@30 | turns/answer | p50 ms |".into());
-        lines.push("| --- | ---: | ---: | ---: | ---: | ---: |".into());
+        lines.push(
+            "| [serve.units] | R@5 | R@10 | R@30 | ΔR@10 vs the configuration (95% CI, paired) | turns/answer | p50 ms |"
+                .into(),
+        );
+        lines.push("| --- | ---: | ---: | ---: | --- | ---: | ---: |".into());
         let mut add = |spec: &str, r: &Run| {
             let c = r.served.cells(45);
+            let diff: Vec<f64> = r.served.recall[1]
+                .iter()
+                .zip(&served.recall[1])
+                .map(|(a, b)| a - b)
+                .collect();
+            let (d, lo, hi) = bootstrap_ci(&diff, 47);
             lines.push(format!(
-                "| {spec} | {} | {} | {} | {:.1} | {:.1} |",
+                "| {spec} | {} | {} | {} | {d:+.3} ({lo:+.3} – {hi:+.3}) | {:.1} | {:.1} |",
                 c[0],
                 c[1],
                 c[2],

@@ -4,13 +4,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use arrow_array::RecordBatch;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Int32Type, Int64Type, TimestampMillisecondType};
+use arrow_array::{Array, RecordBatch};
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
-use steamrf_operators::lexical::{Bm25Index, Bm25Params};
+use steamrf_operators::embed::SparseVec;
+use steamrf_operators::lexical::{Bm25Index, Bm25Params, SparseIndex};
 use steamrf_operators::passage::{PassageIndex, Units};
 use steamrf_operators::rfmem::VectorStore;
 use steamrf_operators::steam::memory::{Memory, UserMemories};
@@ -27,6 +28,8 @@ pub(super) struct Row {
     pub(super) vector: Vec<f32>,
     pub(super) ts: i64,
     pub(super) windows: Vec<Vec<f32>>,
+    /// Each window's sparse vector (the term-wise max of its turns').
+    pub(super) window_sparse: Vec<SparseVec>,
 }
 
 pub(super) struct Turn {
@@ -35,6 +38,7 @@ pub(super) struct Turn {
     pub(super) content: String,
     pub(super) vector: Vec<f32>,
     pub(super) source: Option<(i32, i64)>,
+    pub(super) sparse: Option<SparseVec>,
 }
 
 /// A store over `flat` as the service searches it: exact below `min_rows`
@@ -93,13 +97,39 @@ pub fn build_user(
         turn_vectors,
         passages,
     } = stored;
-    // Each dialogue turn's vector, by event id.
+    // Each dialogue turn's vector, by event id, and its sparse vector
+    // where one was stored (and the units will score it).
     let mut turn_vector: HashMap<&str, &[f32]> = HashMap::new();
+    let mut turn_sparse: HashMap<&str, SparseVec> = HashMap::new();
+    let want_sparse = cfg.units.sparse_weight > 0.0;
     for b in turn_vectors {
         let ids = b.column(0).as_string::<i32>();
+        let terms = b.column_by_name("terms").map(|c| c.as_list::<i32>());
+        let weights = b.column_by_name("weights").map(|c| c.as_list::<i32>());
         for r in 0..b.num_rows() {
             if let Some(v) = vector(b.column(1), r) {
                 turn_vector.insert(ids.value(r), v);
+            }
+            if want_sparse
+                && let (Some(t), Some(w)) = (terms, weights)
+                && t.is_valid(r)
+                && w.is_valid(r)
+            {
+                let t = t.value(r);
+                let w = w.value(r);
+                let pairs = t
+                    .as_primitive::<arrow_array::types::UInt32Type>()
+                    .values()
+                    .iter()
+                    .copied()
+                    .zip(
+                        w.as_primitive::<arrow_array::types::Float32Type>()
+                            .values()
+                            .iter()
+                            .copied(),
+                    )
+                    .collect();
+                turn_sparse.insert(ids.value(r), SparseVec::from_pairs(pairs));
             }
         }
     }
@@ -140,6 +170,7 @@ pub fn build_user(
                         content: content.clone(),
                         vector: e.to_vec(),
                         source,
+                        sparse: turn_sparse.remove(event.value(r)),
                     });
                 }
                 if !as_turn || (cfg.group_sessions && session.is_some()) {
@@ -159,6 +190,7 @@ pub fn build_user(
                     vector: e.to_vec(),
                     ts: ts.value(r),
                     windows: Vec::new(),
+                    window_sparse: Vec::new(),
                 });
             } else if let Some(item) = opt_str(b.column(4), r) {
                 if !want(CorpusKind::Interaction) {
@@ -182,6 +214,7 @@ pub fn build_user(
                     vector: info.embedding.clone(),
                     ts: ts.value(r),
                     windows: Vec::new(),
+                    window_sparse: Vec::new(),
                 });
             }
         }
@@ -235,6 +268,16 @@ pub fn build_user(
             .collect();
         windows.sort_by_key(|w| (w.0.end, w.0.start));
         let (windows, vectors): (Vec<Window>, Vec<Vec<f32>>) = windows.into_iter().unzip();
+        let window_sparse = windows
+            .iter()
+            .map(|w| {
+                SparseVec::max_of(
+                    turns[w.start as usize..w.end as usize]
+                        .iter()
+                        .filter_map(|t| t.sparse.as_ref()),
+                )
+            })
+            .collect();
         let mut content = String::new();
         let mut turn_ends = Vec::with_capacity(turns.len());
         for t in &turns {
@@ -258,6 +301,7 @@ pub fn build_user(
             vector: v,
             ts: turns.first().map_or(0, |t| t.ts),
             windows: vectors,
+            window_sparse,
         });
     }
     let mut mems = UserMemories::new(user_id);
@@ -277,6 +321,7 @@ pub fn build_user(
                 vector: m.embedding.clone(),
                 ts: m.created_ms,
                 windows: Vec::new(),
+                window_sparse: Vec::new(),
             });
         }
         mems.memories.push(m);
@@ -289,6 +334,7 @@ pub fn build_user(
     let mut flat = Vec::with_capacity(rows.len() * EMBEDDING_DIM);
     let mut window_flat = Vec::new();
     let mut owner = Vec::new();
+    let mut sparse: Vec<SparseVec> = Vec::new();
     let mut entries = Vec::with_capacity(rows.len());
     // Dense candidates come from the window index once there is one, so a
     // row without windows (a click, a memory, a session from before passages
@@ -300,11 +346,14 @@ pub fn build_user(
         if any_windows && r.windows.is_empty() {
             window_flat.extend_from_slice(&r.vector);
             owner.push(i as u32);
+            sparse.push(SparseVec::default());
         }
         for w in &r.windows {
             window_flat.extend_from_slice(w);
             owner.push(i as u32);
         }
+        // In the windows' order (a row that is its own window has none).
+        sparse.extend(r.window_sparse);
         entries.push(r.entry);
     }
     // Row and window vectors both stay in memory (the index's own
@@ -340,9 +389,12 @@ pub fn build_user(
         let spans = units().map(|(start, end, _)| (start, end)).collect();
         let lexical = (cfg.units.lexical_weight > 0.0)
             .then(|| Bm25Index::new(units().map(|(_, _, text)| text), Bm25Params::default()));
-        index = index
-            .with_units(Units::new(spans, lexical))
-            .map_err(internal)?;
+        let mut units = Units::new(spans, lexical);
+        // Learned sparse vectors, where the windows' turns carry any.
+        if sparse.iter().any(|v| !v.is_empty()) {
+            units = units.with_sparse(SparseIndex::new(&sparse));
+        }
+        index = index.with_units(units).map_err(internal)?;
     }
     history.sort_by_key(|h| h.0);
     let history: Vec<String> = history.into_iter().map(|h| h.1.to_owned()).collect();

@@ -60,8 +60,13 @@ pub(super) const INTERACTION_COLUMNS: &[&str] = &[
     "source_offset",
 ];
 
-/// The `turn_vectors` columns a corpus is built from.
-pub(super) const TURN_VECTOR_COLUMNS: &[&str] = &["event_id", "embedding"];
+/// The `turn_vectors` columns a corpus is built from (`terms` and
+/// `weights` read by name, and only where the table has them yet).
+pub(super) const TURN_VECTOR_COLUMNS: &[&str] = &["event_id", "embedding", "terms", "weights"];
+
+/// Columns newer builds added: a table an older ingest wrote (and no newer
+/// one has opened yet) lacks them, and a read leaves them out.
+const ADDED_COLUMNS: &[&str] = &["terms", "weights"];
 
 /// The `passages` columns a corpus is built from, in the order `build` reads them.
 pub(super) const PASSAGE_COLUMNS: &[&str] =
@@ -235,6 +240,15 @@ impl Tables {
         let Some(t) = self.table(name) else {
             return Ok(Vec::new());
         };
+        let mut columns = columns.to_vec();
+        if columns.iter().any(|c| ADDED_COLUMNS.contains(c)) {
+            let schema = t
+                .schema()
+                .await
+                .map_err(Error::lance(format!("reading the schema of {name}")))?;
+            columns.retain(|c| !ADDED_COLUMNS.contains(c) || schema.field_with_name(c).is_ok());
+        }
+        let columns = &columns;
         let read = || async {
             let mut q = t.query().select(Select::columns(columns));
             if let Some(f) = &filter {

@@ -183,6 +183,7 @@ fn sessions_carry_their_passage_windows_by_turn_offsets() {
         &c.index,
         &axis(9),
         Some("cat Miles"),
+        None,
         &p,
         &UnitParams::default(),
         budget,
