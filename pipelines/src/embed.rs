@@ -49,6 +49,16 @@ pub fn workers(cfg: &EmbedConfig) -> usize {
     }
 }
 
+/// `embed.precision` as the operators name it.
+fn precision(cfg: &EmbedConfig) -> Precision {
+    match cfg.precision {
+        EmbedPrecision::Auto => Precision::Auto,
+        EmbedPrecision::F32 => Precision::F32,
+        EmbedPrecision::Int16 => Precision::Int16,
+        EmbedPrecision::Int8 => Precision::Int8,
+    }
+}
+
 /// Builds the configured embedder (`None` when embedding is off).
 ///
 /// # Errors
@@ -65,12 +75,7 @@ pub fn embedder(cfg: &EmbedConfig) -> Result<Option<Arc<dyn Embedder>>> {
                         EmbedBackend::Native => Backend::Native,
                         EmbedBackend::Candle => Backend::Candle,
                     },
-                    precision: match cfg.precision {
-                        EmbedPrecision::Auto => Precision::Auto,
-                        EmbedPrecision::F32 => Precision::F32,
-                        EmbedPrecision::Int16 => Precision::Int16,
-                        EmbedPrecision::Int8 => Precision::Int8,
-                    },
+                    precision: precision(cfg),
                     max_tokens: cfg.max_tokens,
                     batch_size: cfg.batch_size,
                     ..MiniLmOptions::default()
@@ -145,12 +150,7 @@ pub fn sparse_encoder(cfg: &EmbedConfig) -> Result<Option<Arc<Splade>>> {
         SpladeOptions {
             max_tokens: cfg.max_tokens,
             threads: workers(cfg),
-            precision: match cfg.precision {
-                EmbedPrecision::Auto => Precision::Auto,
-                EmbedPrecision::F32 => Precision::F32,
-                EmbedPrecision::Int16 => Precision::Int16,
-                EmbedPrecision::Int8 => Precision::Int8,
-            },
+            precision: precision(cfg),
             ..SpladeOptions::default()
         },
     )

@@ -8,7 +8,7 @@
 //! overridden here: truncation at [`MiniLmOptions::max_tokens`], no padding
 //! by the tokenizer, and padding to the longest input of each sub-batch.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -125,7 +125,7 @@ impl std::fmt::Debug for MiniLm {
     }
 }
 
-fn load_err(path: &Path, reason: impl std::fmt::Display) -> EmbedError {
+pub(super) fn load_err(path: &Path, reason: impl std::fmt::Display) -> EmbedError {
     EmbedError::Load {
         path: path.display().to_string(),
         reason: reason.to_string(),
@@ -136,32 +136,39 @@ fn model_err(e: impl std::fmt::Display) -> EmbedError {
     EmbedError::Model(e.to_string())
 }
 
+/// `config.json` of a Hugging Face-style BERT directory.
+pub(super) fn read_config(dir: &Path) -> Result<BertConfig, EmbedError> {
+    let path = dir.join("config.json");
+    serde_json::from_slice(&std::fs::read(&path).map_err(|e| load_err(&path, e))?)
+        .map_err(|e| load_err(&path, e))
+}
+
+/// `tokenizer.json` of the same, cutting inputs at `max_tokens` and padding
+/// nothing.
+pub(super) fn read_tokenizer(dir: &Path, max_tokens: usize) -> Result<Tokenizer, EmbedError> {
+    let path = dir.join("tokenizer.json");
+    let mut tokenizer = Tokenizer::from_file(&path).map_err(|e| load_err(&path, e))?;
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length: max_tokens,
+            strategy: TruncationStrategy::LongestFirst,
+            stride: 0,
+            direction: TruncationDirection::Right,
+        }))
+        .map_err(|e| load_err(&path, e))?;
+    tokenizer.with_padding(None);
+    Ok(tokenizer)
+}
+
 impl MiniLm {
     /// Loads `config.json`, `tokenizer.json` and `model.safetensors` from `dir`.
     ///
     /// # Errors
     /// A missing or malformed file, named in the error.
     pub fn load(dir: &Path, opts: MiniLmOptions) -> Result<Self, EmbedError> {
-        let file = |name: &str| -> PathBuf { dir.join(name) };
-        let config_path = file("config.json");
-        let config: BertConfig = serde_json::from_slice(
-            &std::fs::read(&config_path).map_err(|e| load_err(&config_path, e))?,
-        )
-        .map_err(|e| load_err(&config_path, e))?;
-
-        let tok_path = file("tokenizer.json");
-        let mut tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| load_err(&tok_path, e))?;
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: opts.max_tokens,
-                strategy: TruncationStrategy::LongestFirst,
-                stride: 0,
-                direction: TruncationDirection::Right,
-            }))
-            .map_err(|e| load_err(&tok_path, e))?;
-        tokenizer.with_padding(None);
-
-        let weights_path = file("model.safetensors");
+        let config = read_config(dir)?;
+        let tokenizer = read_tokenizer(dir, opts.max_tokens)?;
+        let weights_path = dir.join("model.safetensors");
         let mut opts = opts;
         // `auto` on candle means f32; an explicit integer format is refused there.
         let wanted = match (opts.backend, opts.precision) {

@@ -16,14 +16,13 @@
 //! vocab` logits, each block as `W_block · xᵀ` (the vocabulary the long
 //! side of the multiply, so one short query runs as efficiently as a batch).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use candle_transformers::models::bert::Config as BertConfig;
 use steamrf_kernels::nn::{MatMut, MatRef, matmul};
 use steamrf_kernels::quant::{Format, QuantLinear};
-use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+use tokenizers::Tokenizer;
 
-use super::minilm::Precision;
+use super::minilm::{Precision, load_err, read_config, read_tokenizer};
 use super::native::{MlmHead, NativeBert};
 use super::{EmbedError, clip_bytes};
 
@@ -143,38 +142,16 @@ impl std::fmt::Debug for Splade {
     }
 }
 
-fn load_err(path: &Path, reason: impl std::fmt::Display) -> EmbedError {
-    EmbedError::Load {
-        path: path.display().to_string(),
-        reason: reason.to_string(),
-    }
-}
-
 impl Splade {
     /// Loads the model in `dir`.
     ///
     /// # Errors
     /// A missing or malformed file, named in the error.
     pub fn load(dir: &Path, opts: SpladeOptions) -> Result<Self, EmbedError> {
-        let file = |name: &str| -> PathBuf { dir.join(name) };
-        let config_path = file("config.json");
-        let config: BertConfig = serde_json::from_slice(
-            &std::fs::read(&config_path).map_err(|e| load_err(&config_path, e))?,
-        )
-        .map_err(|e| load_err(&config_path, e))?;
-        let tok_path = file("tokenizer.json");
-        let mut tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| load_err(&tok_path, e))?;
+        let config = read_config(dir)?;
         let max_tokens = opts.max_tokens.clamp(2, config.max_position_embeddings);
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: max_tokens,
-                strategy: TruncationStrategy::LongestFirst,
-                stride: 0,
-                direction: TruncationDirection::Right,
-            }))
-            .map_err(|e| load_err(&tok_path, e))?;
-        tokenizer.with_padding(None);
-        let weights_path = file("model.safetensors");
+        let tokenizer = read_tokenizer(dir, max_tokens)?;
+        let weights_path = dir.join("model.safetensors");
         let weights = std::fs::read(&weights_path).map_err(|e| load_err(&weights_path, e))?;
         let bert = NativeBert::load(&weights, &config, Precision::F32)
             .map_err(|e| load_err(&weights_path, e))?;
