@@ -166,7 +166,7 @@ enum EvalCmd {
         /// The split's name in the RESULT line.
         #[arg(long, default_value = "dev")]
         split: String,
-        /// Also serve the same tables with these [serve.units] settings ("mix=0.5,lexical_weight=0.3"; repeatable): the development sweep, one row each.
+        /// Also serve the same tables with these [serve.units] settings, or [serve.rfmem] ones as rfmem.KEY ("mix=0.5,lexical_weight=0.3", "rfmem.mode=familiarity"; repeatable): the development sweep, one row each.
         #[arg(long = "units")]
         sweep: Vec<String>,
         /// Configuration (the defaults unless given); the topic, group and tables are the run's own.

@@ -57,7 +57,9 @@ pub struct Item {
     /// `content` was cut at `serve.max_item_bytes`.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub content_truncated: bool,
-    /// The fused score: `dense + lexical_weight · lexical` (the order).
+    /// The fused score (the order): `dense + lexical_weight · lexical +
+    /// sparse_weight · sparse` for an evidence unit (`[serve.units]`),
+    /// `dense + lexical_weight · lexical` for a row (`[serve.hybrid]`).
     pub score: f32,
     /// The dense part: `mix ·` the best window's cosine `+ (1 − mix) ·` the
     /// whole row's (the row's cosine when it has no windows).

@@ -50,8 +50,9 @@ pub struct LocomoEval {
     /// The configuration everything runs with (the defaults unless given);
     /// the topic, the group and the tables are this run's own.
     pub config: Config,
-    /// More `[serve.units]` settings to serve the same tables with
-    /// (`"mix=0.5,lexical_weight=0.3"`), one row each after the
+    /// More `[serve.units]` (or `rfmem.`-prefixed `[serve.rfmem]`) settings
+    /// to serve the same tables with (`"mix=0.5,lexical_weight=0.3"`,
+    /// `"rfmem.mode=familiarity"`), one row each after the
     /// configuration's: the development sweep. The RESULT line is the
     /// configuration's.
     pub sweep: Vec<String>,
@@ -385,25 +386,31 @@ struct Run {
     latency: Vec<f64>,
 }
 
-/// `base` with the `key=value` pairs of `spec` (comma-separated) set.
-fn units(
-    base: &steamrf_operators::passage::UnitParams,
-    spec: &str,
-) -> Result<steamrf_operators::passage::UnitParams> {
-    let mut v = serde_json::to_value(base).map_err(internal)?;
+/// `serve` with the `key=value` pairs of `spec` (comma-separated) set: keys
+/// of `[serve.units]`, or of `[serve.rfmem]` as `rfmem.<key>` (a string value
+/// unquoted: `rfmem.mode=familiarity`).
+fn units(serve: &mut steamrf_pipelines::config::ServeConfig, spec: &str) -> Result<()> {
+    let mut u = serde_json::to_value(serve.units).map_err(internal)?;
+    let mut r = serde_json::to_value(serve.rfmem).map_err(internal)?;
     for kv in spec.split(',').filter(|s| !s.trim().is_empty()) {
         let (k, val) = kv
             .split_once('=')
             .ok_or_else(|| bad(format!("--units {spec:?}: {kv:?} is not key=value")))?;
-        let val: Value =
-            serde_json::from_str(val.trim()).map_err(|e| bad(format!("--units {kv:?}: {e}")))?;
-        v[k.trim()] = val;
+        let val: Value = serde_json::from_str(val.trim())
+            .unwrap_or_else(|_| Value::String(val.trim().to_owned()));
+        match k.trim().strip_prefix("rfmem.") {
+            Some(k) => r[k] = val,
+            None => u[k.trim()] = val,
+        }
     }
-    let h: steamrf_operators::passage::UnitParams =
-        serde_json::from_value(v).map_err(|e| bad(format!("--units {spec:?}: {e}")))?;
-    h.validate()
+    serve.units = serde_json::from_value(u).map_err(|e| bad(format!("--units {spec:?}: {e}")))?;
+    serve.rfmem = serde_json::from_value(r).map_err(|e| bad(format!("--units {spec:?}: {e}")))?;
+    serve
+        .units
+        .validate()
+        .and_then(|()| serve.rfmem.validate())
         .map_err(|e| bad(format!("--units {spec:?}: {e}")))?;
-    Ok(h)
+    Ok(())
 }
 
 /// Serves `config`'s tables and asks every question over HTTP.
@@ -547,7 +554,7 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
     let mut swept = Vec::new();
     for spec in &e.sweep {
         let mut c = config.clone();
-        c.serve.units = units(&c.serve.units, spec)?;
+        units(&mut c.serve, spec)?;
         let r = ask_all(&c, &convs, &questions, &baselines).await?;
         swept.push((spec.clone(), r));
     }
@@ -615,27 +622,29 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
             config.serve.units
         ));
         lines.push(
-            "| [serve.units] | R@5 | R@10 | R@30 | ΔR@10 vs the configuration (95% CI, paired) | turns/answer | p50 ms |"
+            "| [serve.units] | R@5 | R@10 | R@30 | ΔR@10 vs the configuration (95% CI, paired) | recollected | turns/answer | p50 ms |"
                 .into(),
         );
-        lines.push("| --- | ---: | ---: | ---: | --- | ---: | ---: |".into());
-        let mut add = |spec: &str, r: &Run| {
-            let c = r.served.cells(45);
-            let diff: Vec<f64> = r.served.recall[1]
-                .iter()
-                .zip(&served.recall[1])
-                .map(|(a, b)| a - b)
-                .collect();
-            let (d, lo, hi) = bootstrap_ci(&diff, 47);
-            lines.push(format!(
-                "| {spec} | {} | {} | {} | {d:+.3} ({lo:+.3} – {hi:+.3}) | {:.1} | {:.1} |",
+        lines.push("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |".into());
+        let mut add =
+            |spec: &str, r: &Run| {
+                let c = r.served.cells(45);
+                let diff: Vec<f64> = r.served.recall[1]
+                    .iter()
+                    .zip(&served.recall[1])
+                    .map(|(a, b)| a - b)
+                    .collect();
+                let (d, lo, hi) = bootstrap_ci(&diff, 47);
+                lines.push(format!(
+                "| {spec} | {} | {} | {} | {d:+.3} ({lo:+.3} – {hi:+.3}) | {} | {:.1} | {:.1} |",
                 c[0],
                 c[1],
                 c[2],
+                r.by_path.get("recollection").map_or(0, |s| s.recall[0].len()),
                 mean(&r.turns_handed),
                 percentile(&r.latency, 0.5)
             ));
-        };
+            };
         add("(configuration)", &first);
         for (spec, r) in &swept {
             add(spec, r);
