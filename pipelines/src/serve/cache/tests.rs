@@ -72,17 +72,9 @@ fn load(group_sessions: bool) -> (UserData, HashMap<String, ItemInfo>) {
     )
 }
 
-#[test]
-fn sessions_carry_their_passage_windows_by_turn_offsets() {
-    use steamrf_operators::passage::{
-        HybridParams, UnitBudget, UnitParams, retrieve_units_until, retrieve_until,
-    };
-    use steamrf_operators::rfmem::{Mode, RfMemParams};
-    // The default view: sessions with their windows, and interactions.
-    let cfg = Config::load_with_env(None, []).unwrap().serve;
-    assert!(cfg.kinds.contains(&CorpusKind::Passage));
-    let (inter, tv, items) = tables();
-    let items = catalogue(&[items]);
+/// `passages` rows: the window ending at t2 (covering t1..t2, along axis
+/// 5), and one naming a forgotten turn.
+fn window_t2() -> RecordBatch {
     let schema = Arc::new(arrow_schema::Schema::new(
         PASSAGE_COLUMNS
             .iter()
@@ -98,7 +90,7 @@ fn sessions_carry_their_passage_windows_by_turn_offsets() {
     // The window ending at t2 covers t1..t2; one names a forgotten turn.
     let mut v = axis(5);
     v.extend(axis(6));
-    let passages = RecordBatch::try_new(
+    RecordBatch::try_new(
         schema,
         vec![
             Arc::new(arrow_array::StringArray::from(vec!["t2", "gone"])),
@@ -107,7 +99,83 @@ fn sessions_carry_their_passage_windows_by_turn_offsets() {
             steamrf_schemas::tables::embedding_array(&v, 2).unwrap(),
         ],
     )
+    .unwrap()
+}
+
+#[test]
+fn windows_score_the_max_of_their_turns_sparse_vectors() {
+    use steamrf_operators::embed::SparseVec;
+    use steamrf_operators::passage::{UnitBudget, UnitParams, retrieve_units_until};
+    use steamrf_operators::rfmem::{Mode, RfMemParams};
+    let cfg = Config::load_with_env(None, []).unwrap().serve;
+    let (inter, tv, items) = tables();
+    let items = catalogue(&[items]);
+    // turn_vectors rows t2, t1, t3: t2 and t1 carry sparse vectors, t3 none.
+    let tv = steamrf_schemas::tables::with_sparse_terms(
+        &tv,
+        &[Some((&[42], &[2.0])), Some((&[7], &[1.0])), None],
+    )
     .unwrap();
+    let stored = UserRows {
+        interactions: &[inter],
+        turn_vectors: &[tv],
+        passages: &[window_t2()],
+    };
+    let u = build_user(&cfg, &items, "u", stored, Vec::new()).unwrap();
+    let c = &u.corpus;
+    assert!(c.index.has_sparse_units());
+    let s1 = c.entries.iter().position(|e| e.id == "s1").unwrap();
+    let p = RfMemParams {
+        mode: Mode::Familiarity,
+        k: 1,
+        ..RfMemParams::default()
+    };
+    let budget = UnitBudget {
+        units: 1,
+        turns: 30,
+    };
+    // A query vector along no row, no text: only t2's term finds s1's window,
+    // whose vector is the max of t1's and t2's.
+    for (term, want) in [(42, 1.0), (7, 1.0)] {
+        let q = SparseVec::from_pairs(vec![(term, 1.0)]);
+        let a = retrieve_units_until(
+            &c.index,
+            &axis(9),
+            None,
+            Some(&q),
+            &p,
+            &UnitParams::default(),
+            budget,
+            &|| false,
+        )
+        .unwrap();
+        assert_eq!(a.hits[0].row as usize, s1, "{a:?}");
+        assert_eq!((a.hits[0].start, a.hits[0].end), (0, 2), "{a:?}");
+        assert_eq!(a.hits[0].sparse, want, "{a:?}");
+    }
+    // Turns without sparse vectors (an older table): no sparse side.
+    let (inter, tv, items) = tables();
+    let stored = UserRows {
+        interactions: &[inter],
+        turn_vectors: &[tv],
+        passages: &[window_t2()],
+    };
+    let u = build_user(&cfg, &catalogue(&[items]), "u", stored, Vec::new()).unwrap();
+    assert!(u.corpus.index.has_units() && !u.corpus.index.has_sparse_units());
+}
+
+#[test]
+fn sessions_carry_their_passage_windows_by_turn_offsets() {
+    use steamrf_operators::passage::{
+        HybridParams, UnitBudget, UnitParams, retrieve_units_until, retrieve_until,
+    };
+    use steamrf_operators::rfmem::{Mode, RfMemParams};
+    // The default view: sessions with their windows, and interactions.
+    let cfg = Config::load_with_env(None, []).unwrap().serve;
+    assert!(cfg.kinds.contains(&CorpusKind::Passage));
+    let (inter, tv, items) = tables();
+    let items = catalogue(&[items]);
+    let passages = window_t2();
     let stored = UserRows {
         interactions: &[inter],
         turn_vectors: &[tv],
