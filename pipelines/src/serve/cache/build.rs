@@ -101,7 +101,8 @@ pub fn build_user(
     // where one was stored (and the units will score it).
     let mut turn_vector: HashMap<&str, &[f32]> = HashMap::new();
     let mut turn_sparse: HashMap<&str, SparseVec> = HashMap::new();
-    let want_sparse = cfg.units.sparse_weight > 0.0;
+    // Only windows score them: without passages nothing would read them.
+    let want_sparse = cfg.units.sparse_weight > 0.0 && cfg.kinds.contains(&CorpusKind::Passage);
     for b in turn_vectors {
         let ids = b.column(0).as_string::<i32>();
         let terms = b.column_by_name("terms").map(|c| c.as_list::<i32>());
