@@ -283,19 +283,35 @@ pub(crate) fn scan_mapped(
     params: &SearchParams<'_>,
 ) {
     let mut threshold = heap.threshold().max(floor);
-    for (j, &score) in scores.iter().enumerate() {
+    let mut visit = |j: usize, score: f32, threshold: &mut f32| {
         // `>=` keeps ties; the collector breaks them by index.
-        if score >= threshold {
+        if score >= *threshold {
             let ci = row(j);
             if params.exclude.is_some_and(|f| f(qi, ci)) {
-                continue;
+                return;
             }
             heap.push(Hit {
                 index: ci as u32,
                 score,
             });
-            threshold = heap.threshold().max(floor);
+            *threshold = heap.threshold().max(floor);
         }
+    };
+    // Sixteen scores at a time: one vectorised comparison rules out a whole
+    // chunk, which is nearly every chunk once the heap is full (a branch
+    // per score cost more than the int8 products that made them).
+    let chunks = scores.chunks_exact(16);
+    let tail = chunks.remainder();
+    for (c, chunk) in chunks.enumerate() {
+        if chunk.iter().fold(false, |any, &s| any | (s >= threshold)) {
+            for (k, &score) in chunk.iter().enumerate() {
+                visit(c * 16 + k, score, &mut threshold);
+            }
+        }
+    }
+    let base = scores.len() - tail.len();
+    for (k, &score) in tail.iter().enumerate() {
+        visit(base + k, score, &mut threshold);
     }
 }
 

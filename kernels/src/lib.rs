@@ -40,6 +40,8 @@ macro_rules! dispatch {
     }};
 }
 
+pub mod amx;
+pub mod bf16;
 pub mod cpu;
 pub mod cuda;
 pub mod ivf;

@@ -36,6 +36,8 @@ pub const NR: usize = 48;
 const MR: usize = 8;
 /// 4-byte groups per chunk: the chunk's slice of a block (24 KiB) stays in L1.
 const KC: usize = 128;
+/// Zero bytes after the packed weights (see `QuantLinear::new`).
+const AMX_SLACK: usize = 15 * NR * 4;
 
 /// Whether this CPU runs [`QuantLinear::forward`] on VNNI (else it runs the
 /// scalar reference, correct but slow: callers choose f32 then).
@@ -50,6 +52,17 @@ pub fn vnni_available() -> bool {
     {
         false
     }
+}
+
+/// What runs [`Format::Int8`] layers on this CPU: `"amx"` (AMX-INT8 tiles),
+/// `"vnni"` (AVX-512 VNNI) or `"scalar"` (the reference).
+pub fn int8_unit() -> &'static str {
+    let vnni = vnni_available();
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    if vnni && crate::amx::available(crate::amx::Amx::Int8) {
+        return "amx";
+    }
+    if vnni { "vnni" } else { "scalar" }
 }
 
 /// The integer format of a [`QuantLinear`].
@@ -95,7 +108,8 @@ pub struct QuantLinear {
     k: usize,
     /// 4-byte groups per row: `k.div_ceil(format.per_group())`.
     groups: usize,
-    /// `[n.div_ceil(NR)][groups][NR][4 bytes]`; padding is zero.
+    /// `[n.div_ceil(NR)][groups][NR][4 bytes]`, then [`AMX_SLACK`] bytes;
+    /// padding is zero.
     packed: Vec<u8>,
     /// Per output channel, padded to whole blocks with zeros.
     scale: Vec<f32>,
@@ -127,7 +141,10 @@ impl QuantLinear {
         let groups = k.div_ceil(format.per_group());
         let blocks = n.div_ceil(NR);
         let (w_max, a_max) = format.limits(k);
-        let mut packed = vec![0u8; blocks * groups * NR * 4];
+        // AMX_SLACK zero bytes past the last block: the AMX path's last
+        // B tiles may read up to 15 groups past the end (multiplied by
+        // zero activations).
+        let mut packed = vec![0u8; blocks * groups * NR * 4 + AMX_SLACK];
         let mut scale = vec![0.0f32; blocks * NR];
         let mut col_sum = vec![0.0f32; blocks * NR];
         let per = format.per_group();
@@ -202,6 +219,19 @@ impl QuantLinear {
     pub fn forward(&self, out: &mut [f32], x: &[f32], t: usize) {
         assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
         assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        if self.format == Format::Int8
+            && crate::amx::available(crate::amx::Amx::Int8)
+            && vnni_available()
+        {
+            let q = self.quantise(x, t);
+            // SAFETY: the CPU has AMX-TILE and AMX-INT8 with the tile data
+            // permission, and AVX-512F (checked just above); `q` is this
+            // layer's quantisation of t rows and `out` holds t × n values
+            // (asserted above).
+            unsafe { amx_int8::forward(self, &q, out, t) };
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if vnni_available() {
             let q = self.quantise(x, t);
@@ -498,37 +528,59 @@ mod vnni {
                     i += rows;
                 }
             }
-            let cols = (layer.n - b * NR).min(NR);
-            for row in 0..t {
-                let (s, m) = (_mm512_set1_ps(q.scale[row]), _mm512_set1_ps(q.min[row]));
-                for c in 0..NR / 16 {
-                    let valid = cols.saturating_sub(c * 16).min(16);
-                    if valid == 0 {
-                        break;
-                    }
-                    let j0 = b * NR + c * 16;
-                    let mask: __mmask16 = if valid == 16 {
-                        0xffff
-                    } else {
-                        (1u16 << valid) - 1
-                    };
-                    // SAFETY: `acc` holds t × NR values and row < t; scale and
-                    // col_sum are padded to whole blocks, so 16 values from
-                    // j0 < blocks · NR are in bounds; the bias load and the
-                    // store are masked to the `valid` channels that exist, and
-                    // row < t, j0 + valid <= n keep the store inside `out`.
-                    unsafe {
-                        let sum = _mm512_loadu_si512(acc.as_ptr().add(row * NR + c * 16).cast());
-                        let sw = _mm512_loadu_ps(layer.scale.as_ptr().add(j0));
-                        let cs = _mm512_loadu_ps(layer.col_sum.as_ptr().add(j0));
-                        let bias = _mm512_maskz_loadu_ps(mask, layer.bias.as_ptr().add(j0));
-                        let v = _mm512_fmadd_ps(
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, _mm512_mul_ps(m, cs)),
-                            sw,
-                            bias,
-                        );
-                        _mm512_mask_storeu_ps(out.as_mut_ptr().add(row * layer.n + j0), mask, v);
-                    }
+            // SAFETY: `acc` holds t rows of NR sums for block b < blocks.
+            unsafe { epilogue(layer, q, &acc, NR, b, out, t) };
+        }
+    }
+
+    /// `out[row][b·NR + c] = s_w · (s[row] · acc + m[row] · Σ q) + bias` for
+    /// block `b`'s channels, `acc[row · stride + c]` its sums.
+    ///
+    /// # Safety
+    /// AVX-512F; `acc` holds `t` rows of at least NR sums, `stride` apart;
+    /// `q` is `layer.quantise` of t rows and `out` holds `t × n` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn epilogue(
+        layer: &QuantLinear,
+        q: &Quantised,
+        acc: &[i32],
+        stride: usize,
+        b: usize,
+        out: &mut [f32],
+        t: usize,
+    ) {
+        debug_assert!(t == 0 || acc.len() >= (t - 1) * stride + NR);
+        let cols = (layer.n - b * NR).min(NR);
+        for row in 0..t {
+            let (s, m) = (_mm512_set1_ps(q.scale[row]), _mm512_set1_ps(q.min[row]));
+            for c in 0..NR / 16 {
+                let valid = cols.saturating_sub(c * 16).min(16);
+                if valid == 0 {
+                    break;
+                }
+                let j0 = b * NR + c * 16;
+                let mask: __mmask16 = if valid == 16 {
+                    0xffff
+                } else {
+                    (1u16 << valid) - 1
+                };
+                // SAFETY: `acc` holds row · stride + NR values (this
+                // function's contract); scale and col_sum are padded to whole
+                // blocks, so 16 values from j0 < blocks · NR are in bounds;
+                // the bias load and the store are masked to the `valid`
+                // channels that exist, and row < t, j0 + valid <= n keep the
+                // store inside `out`.
+                unsafe {
+                    let sum = _mm512_loadu_si512(acc.as_ptr().add(row * stride + c * 16).cast());
+                    let sw = _mm512_loadu_ps(layer.scale.as_ptr().add(j0));
+                    let cs = _mm512_loadu_ps(layer.col_sum.as_ptr().add(j0));
+                    let bias = _mm512_maskz_loadu_ps(mask, layer.bias.as_ptr().add(j0));
+                    let v = _mm512_fmadd_ps(
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, _mm512_mul_ps(m, cs)),
+                        sw,
+                        bias,
+                    );
+                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(row * layer.n + j0), mask, v);
                 }
             }
         }
@@ -608,6 +660,111 @@ mod vnni {
                 unsafe { _mm512_storeu_si512(sp.add(r * NR + 16 * c).cast(), *reg) };
             }
         }
+    }
+}
+
+/// [`Format::Int8`] on AMX tiles (`tdpbusd`: u8 × i8 quadruples summed
+/// in i32), reading the same packed weights as the VNNI kernel: a block's
+/// 16-channel slice over 16 groups is a B tile with rows 192 bytes apart.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx_int8 {
+    use std::cell::Cell;
+
+    use super::{NR, QuantLinear, Quantised, vnni::epilogue};
+    use crate::amx::{Config, release, tile_dot, tile_load, tile_store, tile_zero};
+
+    thread_local! {
+        /// Each thread's padded activations and sums, reused between calls.
+        static BUFFERS: Cell<(Vec<u8>, Vec<i32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+    }
+
+    /// Channels and rows per tile; groups (4 bytes) per tile row.
+    const TT: usize = 16;
+
+    /// # Safety
+    /// The CPU must have AMX-TILE and AMX-INT8 with the tile data permission,
+    /// and AVX-512F; `q` is `layer.quantise` of `t` rows, `out` holds `t × n`.
+    pub(super) unsafe fn forward(layer: &QuantLinear, q: &Quantised, out: &mut [f32], t: usize) {
+        if t == 0 {
+            return;
+        }
+        let groups = layer.groups;
+        let gp = groups.div_ceil(TT) * TT;
+        let tp = t.div_ceil(2 * TT) * 2 * TT;
+        let blocks = layer.n.div_ceil(NR);
+        let np = blocks * NR;
+        // Activations with rows and groups padded by zeros, and the sums:
+        // this thread's buffers, kept between calls (fresh ones cost page
+        // faults on every call). Every sum the epilogue uses is stored by a
+        // tile first; the rest (channels past n) it masks off.
+        let row_a = 4 * gp;
+        let (mut a, mut acc) = BUFFERS.take();
+        if a.len() < tp * row_a {
+            a.resize(tp * row_a, 0);
+        }
+        for (i, dst) in a[..tp * row_a].chunks_exact_mut(row_a).enumerate() {
+            let real = if i < t { 4 * groups } else { 0 };
+            if real > 0 {
+                dst[..real].copy_from_slice(&q.bytes[i * real..(i + 1) * real]);
+            }
+            dst[real..].fill(0);
+        }
+        if acc.len() < tp * np {
+            acc.resize(tp * np, 0);
+        }
+        // 16-channel slices holding channels, in pairs (an odd last slice is
+        // paired with itself and stored once).
+        let slices = layer.n.div_ceil(TT);
+        let slice = |s: usize| (s / 3) * groups * NR * 4 + (s % 3) * TT * 4;
+        let (b_stride, c_stride) = (NR * 4, np * 4);
+        let config = Config::full();
+        // SAFETY: for every tile statement: AMX with the permission (this
+        // function's contract), every tile 16 rows of 64 bytes. A loads: rows
+        // ib..ib+32 < tp of `a`, bytes 4·g0..4·g0+64 <= row_a. B loads: slice
+        // s < slices lies in block s / 3 < blocks; its 16 rows from group
+        // g0 < gp end at most (gp - groups) ≤ 15 rows past the last block,
+        // inside the AMX_SLACK zero bytes `packed` keeps. Stores: rows
+        // ib..ib+32 of `acc` (tp × np), channels s·16..s·16+16 <= np.
+        unsafe {
+            config.load();
+            for ib in (0..tp).step_by(2 * TT) {
+                let a0 = a.as_ptr().add(ib * row_a);
+                let a1 = a0.add(TT * row_a);
+                for s in (0..slices).step_by(2) {
+                    let s1 = if s + 1 < slices { s + 1 } else { s };
+                    let b0 = layer.packed.as_ptr().add(slice(s));
+                    let b1 = layer.packed.as_ptr().add(slice(s1));
+                    tile_zero!("0");
+                    tile_zero!("1");
+                    tile_zero!("2");
+                    tile_zero!("3");
+                    for g0 in (0..gp).step_by(TT) {
+                        tile_load!("4", a0.add(4 * g0), row_a);
+                        tile_load!("6", b0.add(g0 * NR * 4), b_stride);
+                        tile_dot!("tdpbusd", "0", "4", "6");
+                        tile_load!("7", b1.add(g0 * NR * 4), b_stride);
+                        tile_dot!("tdpbusd", "1", "4", "7");
+                        tile_load!("5", a1.add(4 * g0), row_a);
+                        tile_dot!("tdpbusd", "2", "5", "6");
+                        tile_dot!("tdpbusd", "3", "5", "7");
+                    }
+                    let c = acc.as_mut_ptr().add(ib * np);
+                    tile_store!("0", c.add(s * TT), c_stride);
+                    tile_store!("2", c.add(TT * np + s * TT), c_stride);
+                    if s1 != s {
+                        tile_store!("1", c.add(s1 * TT), c_stride);
+                        tile_store!("3", c.add(TT * np + s1 * TT), c_stride);
+                    }
+                }
+            }
+            release();
+        }
+        for b in 0..blocks {
+            // SAFETY: AVX-512F (this function's contract); `acc` from b·NR
+            // holds t rows of NR sums, np apart.
+            unsafe { epilogue(layer, q, &acc[b * NR..], np, b, out, t) };
+        }
+        BUFFERS.set((a, acc));
     }
 }
 

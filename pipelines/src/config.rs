@@ -439,7 +439,7 @@ pub enum EmbedBackend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EmbedPrecision {
-    /// int16 where the CPU has AVX-512 VNNI, else f32.
+    /// bf16 where the CPU has AMX, else int16 where it has AVX-512 VNNI, else f32.
     Auto,
     /// f32: the reference.
     F32,
@@ -447,6 +447,8 @@ pub enum EmbedPrecision {
     Int16,
     /// int8 Linear layers on AVX-512 VNNI: faster, coarser (an error on a CPU without it).
     Int8,
+    /// bf16 Linear layers on AMX tiles (an error on a CPU without AMX).
+    Bf16,
 }
 
 /// `[embed]`

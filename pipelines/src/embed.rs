@@ -56,6 +56,7 @@ fn precision(cfg: &EmbedConfig) -> Precision {
         EmbedPrecision::F32 => Precision::F32,
         EmbedPrecision::Int16 => Precision::Int16,
         EmbedPrecision::Int8 => Precision::Int8,
+        EmbedPrecision::Bf16 => Precision::Bf16,
     }
 }
 

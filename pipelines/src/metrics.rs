@@ -526,7 +526,7 @@ impl Metrics {
         for b in ["cpu", "cuda"] {
             m.kernel_backend.with_label_values(&[b]);
         }
-        for p in ["f32", "int16", "int8", "remote"] {
+        for p in ["f32", "int16", "int8", "bf16", "remote"] {
             m.embed_precision.with_label_values(&[p]);
         }
         for k in ["prompt", "completion"] {

@@ -113,12 +113,14 @@ fn int16_sums_cannot_overflow() {
 #[test]
 fn the_suite_says_which_integer_path_it_ran() {
     // A visible line per machine: which path the parity tests above exercised.
+    let amx = crate::amx::available(crate::amx::Amx::Int8);
     eprintln!(
         "integer linear layers: {} on this CPU",
-        if vnni_available() {
-            "AVX-512 VNNI kernels (vpdpwssd, vpdpbusd) and the scalar reference"
-        } else {
-            "scalar reference only (no AVX-512 VNNI)"
+        match (vnni_available(), amx) {
+            (true, true) =>
+                "int16 on AVX-512 VNNI (vpdpwssd), int8 on AMX tiles (tdpbusd), and the scalar reference",
+            (true, false) => "AVX-512 VNNI kernels (vpdpwssd, vpdpbusd) and the scalar reference",
+            _ => "scalar reference only (no AVX-512 VNNI)",
         }
     );
 }
@@ -174,6 +176,9 @@ fn timing() {
                 f32s / s
             );
         }
+        let layer = crate::bf16::Bf16Linear::new(&w, &b, n, k);
+        let s = time(&mut |o| layer.forward(o, &x, t));
+        line += &format!(", bf16 {:.0} GFLOP/s ({:.2}x)", flop / s / 1e9, f32s / s);
         eprintln!("{line}");
     }
 }

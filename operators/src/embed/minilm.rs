@@ -35,7 +35,8 @@ pub enum Backend {
 /// (`steamrf bench embed`, docs/results.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// [`Precision::Int16`] where the CPU has AVX-512 VNNI, else
+    /// [`Precision::Bf16`] where the CPU has AMX (and Linux grants it),
+    /// else [`Precision::Int16`] where it has AVX-512 VNNI, else
     /// [`Precision::F32`].
     #[default]
     Auto,
@@ -49,6 +50,9 @@ pub enum Precision {
     /// lowest cosine to f32 falls to ~0.997 — below the 0.999 the defaults
     /// keep, so only on request.
     Int8,
+    /// bf16 weights and activations multiplied on AMX tiles (`tdpbf16ps`),
+    /// summed in f32: PyTorch's bf16 autocast arithmetic; needs AMX.
+    Bf16,
 }
 
 impl Precision {
@@ -59,12 +63,33 @@ impl Precision {
             Self::F32 => "f32",
             Self::Int16 => "int16",
             Self::Int8 => "int8",
+            Self::Bf16 => "bf16",
         }
+    }
+
+    /// `self` when this CPU runs it natively (f32 always; integers need
+    /// AVX-512 VNNI; bf16 needs AMX), else an error naming what is missing.
+    ///
+    /// # Errors
+    /// [`EmbedError::Unsupported`].
+    pub fn supported(self) -> Result<Self, EmbedError> {
+        let missing = match self {
+            Self::Int16 | Self::Int8 if !steamrf_kernels::quant::vnni_available() => "AVX-512 VNNI",
+            Self::Bf16 if !steamrf_kernels::bf16::amx_available() => {
+                "AMX (amx_tile, amx_bf16, and Linux's permission for the tile state)"
+            }
+            p => return Ok(p),
+        };
+        Err(EmbedError::Unsupported(format!(
+            "precision \"{}\" needs {missing}, which this CPU lacks; use \"auto\" or \"f32\"",
+            self.as_str()
+        )))
     }
 
     /// `Auto` decided from this CPU's features; an explicit choice kept.
     pub fn resolve(self) -> Self {
         match self {
+            Self::Auto if steamrf_kernels::bf16::amx_available() => Self::Bf16,
             Self::Auto if steamrf_kernels::quant::vnni_available() => Self::Int16,
             Self::Auto => Self::F32,
             p => p,
@@ -183,13 +208,7 @@ impl MiniLm {
                     p.as_str()
                 )));
             }
-            (Backend::Native, p) if !steamrf_kernels::quant::vnni_available() => {
-                return Err(EmbedError::Unsupported(format!(
-                    "precision \"{}\" needs AVX-512 VNNI, which this CPU lacks; use \"auto\" or \"f32\"",
-                    p.as_str()
-                )));
-            }
-            (Backend::Native, p) => p,
+            (Backend::Native, p) => p.supported()?,
         };
         let weights = std::fs::read(&weights_path).map_err(|e| load_err(&weights_path, e))?;
         let model = match opts.backend {

@@ -19,11 +19,10 @@
 use std::path::Path;
 
 use steamrf_kernels::nn::{MatMut, MatRef, matmul};
-use steamrf_kernels::quant::{Format, QuantLinear};
 use tokenizers::Tokenizer;
 
 use super::minilm::{Precision, load_err, read_config, read_tokenizer};
-use super::native::{MlmHead, NativeBert};
+use super::native::{Dense, MlmHead, NativeBert};
 use super::{EmbedError, clip_bytes};
 
 /// Vocabulary entries per decoder block.
@@ -104,8 +103,10 @@ pub struct SpladeOptions {
     /// per core).
     pub threads: usize,
     /// The decoder's number format: `Int16` or `Int8` run it on integer
-    /// weights and activations (VNNI; refused without it), `Auto` is int16
-    /// where the CPU has VNNI, else f32. The encoder's two layers stay f32.
+    /// weights and activations (VNNI; refused without it), `Bf16` on AMX
+    /// tiles (refused without AMX); `Auto` resolves as the dense model's
+    /// (bf16 on AMX, else int16 on VNNI, else f32). The encoder's two
+    /// layers stay f32.
     pub precision: Precision,
 }
 
@@ -127,7 +128,7 @@ pub struct Splade {
     bert: NativeBert,
     head: MlmHead,
     /// The decoder on integer weights, in vocabulary blocks (`None`: f32).
-    quant: Option<Vec<QuantLinear>>,
+    quant: Option<Vec<Dense>>,
     tokenizer: Tokenizer,
     opts: SpladeOptions,
     model_id: String,
@@ -162,41 +163,25 @@ impl Splade {
             .map_or_else(|| "splade".to_owned(), |n| n.to_string_lossy().into_owned());
         let precision = match opts.precision.resolve() {
             Precision::Auto | Precision::F32 => Precision::F32,
-            p if !steamrf_kernels::quant::vnni_available() => {
-                return Err(EmbedError::Unsupported(format!(
-                    "precision \"{}\" needs AVX-512 VNNI, which this CPU lacks",
-                    p.as_str()
-                )));
-            }
-            p => p,
+            p => p.supported()?,
         };
-        let quant = match precision {
-            Precision::Int16 | Precision::Int8 => {
-                let format = if precision == Precision::Int8 {
-                    Format::Int8
-                } else {
-                    Format::Int16
-                };
-                let (h, word) = (bert.hidden(), bert.word_embeddings());
-                let vocab = head.bias.len();
-                Some(
-                    (0..vocab)
-                        .step_by(VOCAB_BLOCK)
-                        .map(|lo| {
-                            let n = VOCAB_BLOCK.min(vocab - lo);
-                            QuantLinear::new(
-                                format,
-                                &word[lo * h..(lo + n) * h],
-                                &head.bias[lo..lo + n],
-                                n,
-                                h,
-                            )
-                        })
-                        .collect(),
-                )
-            }
-            _ => None,
-        };
+        let quant = (precision != Precision::F32).then(|| {
+            let (h, word) = (bert.hidden(), bert.word_embeddings());
+            let vocab = head.bias.len();
+            (0..vocab)
+                .step_by(VOCAB_BLOCK)
+                .map(|lo| {
+                    let n = VOCAB_BLOCK.min(vocab - lo);
+                    Dense::new(
+                        word[lo * h..(lo + n) * h].to_vec(),
+                        head.bias[lo..lo + n].to_vec(),
+                        n,
+                        h,
+                        precision,
+                    )
+                })
+                .collect()
+        });
         Ok(Self {
             bert,
             head,
@@ -306,7 +291,7 @@ impl Splade {
                 // `tokens × block`, bias included: the max runs down each
                 // sequence's rows.
                 Some(layers) => {
-                    layers[b].forward(block, &x, total);
+                    layers[b].apply(block, &x, total);
                     let mut t = 0;
                     for (r, s) in seqs.iter().enumerate() {
                         let dst = &mut best[r * n..(r + 1) * n];

@@ -103,37 +103,54 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// The integer forward passes against sentence-transformers' f32 vectors and
-/// steamrf's own f32 pass, batched and alone: int16 (what `auto` picks)
-/// keeps every cosine ≥ 0.999, int8 (only on request) ≥ 0.99. Runs where
-/// the CPU has AVX-512 VNNI; elsewhere it checks that asking for an integer
-/// format is refused by name and that `auto` means f32.
+/// The reduced-precision forward passes against sentence-transformers' f32
+/// vectors and steamrf's own f32 pass, batched and alone: bf16 on AMX and
+/// int16 on VNNI (what `auto` picks) keep every cosine ≥ 0.999, int8 (only
+/// on request) ≥ 0.99. Each path runs where the CPU has it (the log names
+/// which ran); elsewhere asking for it is refused by name, and `auto` is
+/// checked to pick the best the CPU has.
 #[test]
-fn integer_embeddings_stay_close_to_f32() {
+fn reduced_precision_embeddings_stay_close_to_f32() {
     let r = reference();
     let texts: Vec<&str> = r.sentences.iter().map(String::as_str).collect();
     let at = |precision| MiniLmOptions {
         precision,
         ..MiniLmOptions::default()
     };
-    if !steamrf_kernels::quant::vnni_available() {
-        eprintln!("integer embedder parity: skipped, this CPU has no AVX-512 VNNI");
+    let (vnni, amx) = (
+        steamrf_kernels::quant::vnni_available(),
+        steamrf_kernels::bf16::amx_available(),
+    );
+    let auto = match (amx, vnni) {
+        (true, _) => Precision::Bf16,
+        (false, true) => Precision::Int16,
+        _ => Precision::F32,
+    };
+    assert_eq!(model().precision(), auto, "auto picks the best path here");
+    let mut paths = Vec::new();
+    if amx {
+        paths.push((Precision::Bf16, 0.999));
+    } else {
+        let err = MiniLm::load(&model_dir(), at(Precision::Bf16))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("AMX"), "{err}");
+    }
+    if vnni {
+        paths.extend([(Precision::Int16, 0.999), (Precision::Int8, 0.99)]);
+    } else {
         for p in [Precision::Int16, Precision::Int8] {
             let err = MiniLm::load(&model_dir(), at(p)).unwrap_err().to_string();
             assert!(err.contains("AVX-512 VNNI"), "{err}");
         }
-        assert_eq!(model().precision(), Precision::F32);
-        return;
     }
-    eprintln!("integer embedder parity: AVX-512 VNNI path");
-    assert_eq!(
-        model().precision(),
-        Precision::Int16,
-        "auto picks int16 here"
+    eprintln!(
+        "reduced-precision embedder parity on this CPU: {:?} (auto = {auto:?})",
+        paths.iter().map(|p| p.0).collect::<Vec<_>>()
     );
     let exact = MiniLm::load(&model_dir(), f32_opts()).unwrap();
     let want = exact.embed_sync(&texts).unwrap();
-    for (precision, floor) in [(Precision::Int16, 0.999), (Precision::Int8, 0.99)] {
+    for (precision, floor) in paths {
         // Every cosine first, then the check: the log shows the whole spread.
         let (mut worst_st, mut worst_f32) = (1.0f32, 1.0f32);
         for batch_size in [32, 3] {
@@ -541,40 +558,47 @@ fn splade_matches_the_pytorch_reference() {
             );
         }
     }
-    // The integer decoders, where this CPU has VNNI: the same terms, the
-    // top weights within 0.01 (int16) and 0.05 (int8) of f32's.
+    // The reduced-precision decoders, where this CPU has them: the same
+    // terms, the top weights within 0.01 (int16), 0.03 (bf16) and 0.05
+    // (int8) of f32's.
+    let mut paths = Vec::new();
     if steamrf_kernels::quant::vnni_available() {
-        for (precision, tol) in [(Precision::Int16, 0.01f32), (Precision::Int8, 0.05)] {
-            eprintln!("SPLADE decoder parity: {} against f32", precision.as_str());
-            let q = Splade::load(
-                &splade_dir(),
-                SpladeOptions {
-                    top_terms: 0,
-                    precision,
-                    ..SpladeOptions::default()
-                },
-            )
-            .unwrap();
-            assert_eq!(q.options().precision, precision);
-            for (v, f) in q.encode(&texts).unwrap().iter().zip(&together) {
+        paths.extend([(Precision::Int16, 0.01f32), (Precision::Int8, 0.05)]);
+    }
+    if steamrf_kernels::bf16::amx_available() {
+        paths.push((Precision::Bf16, 0.03));
+    }
+    eprintln!(
+        "SPLADE decoder parity against f32 on this CPU: {:?}",
+        paths.iter().map(|p| p.0).collect::<Vec<_>>()
+    );
+    for (precision, tol) in paths {
+        let q = Splade::load(
+            &splade_dir(),
+            SpladeOptions {
+                top_terms: 0,
+                precision,
+                ..SpladeOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(q.options().precision, precision);
+        for (v, f) in q.encode(&texts).unwrap().iter().zip(&together) {
+            assert!(
+                v.len().abs_diff(f.len()) <= 2,
+                "{precision:?}: {} vs {} terms",
+                v.len(),
+                f.len()
+            );
+            for (t, w) in f.terms.iter().zip(&f.weights).filter(|p| *p.1 > 1.0) {
+                let at = v.terms.binary_search(t).expect("a strong term is kept");
                 assert!(
-                    v.len().abs_diff(f.len()) <= 2,
-                    "{precision:?}: {} vs {} terms",
-                    v.len(),
-                    f.len()
+                    (v.weights[at] - w).abs() < tol,
+                    "{precision:?}: term {t} {} vs {w}",
+                    v.weights[at]
                 );
-                for (t, w) in f.terms.iter().zip(&f.weights).filter(|p| *p.1 > 1.0) {
-                    let at = v.terms.binary_search(t).expect("a strong term is kept");
-                    assert!(
-                        (v.weights[at] - w).abs() < tol,
-                        "{precision:?}: term {t} {} vs {w}",
-                        v.weights[at]
-                    );
-                }
             }
         }
-    } else {
-        eprintln!("SPLADE decoder parity: integer paths skipped, this CPU has no AVX-512 VNNI");
     }
     // The cap keeps the largest.
     let capped = Splade::load(

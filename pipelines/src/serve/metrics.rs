@@ -236,7 +236,7 @@ impl ServeMetrics {
             "1 for the number format the query embedder runs at (f32, int16, int8; remote: another process embeds).",
             &["precision"],
         );
-        for p in ["f32", "int16", "int8", "remote"] {
+        for p in ["f32", "int16", "int8", "bf16", "remote"] {
             embed_precision.with_label_values(&[p]);
         }
         for route in ROUTES {

@@ -167,7 +167,11 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
         ratio_vs_f32 = best / best8;
         recall = found as f64 / total.max(1) as f64;
         out.push(format!(
-            "steamrf int8 kernel (AVX-512 VNNI, {} threads, {} x k candidates rescored in f32): {best8:.2} s, {:.1} G op/s, {ratio_vs_f32:.2}x the f32 kernel; recall@{} against it {recall:.4}; int8 copy of the corpus {:.0} MiB (f32 {:.0} MiB), built in {build:.2} s",
+            "steamrf int8 kernel ({}, {} threads, {} x k candidates rescored in f32): {best8:.2} s, {:.1} G op/s, {ratio_vs_f32:.2}x the f32 kernel; recall@{} against it {recall:.4}; int8 copy of the corpus {:.0} MiB (f32 {:.0} MiB), built in {build:.2} s",
+            match steamrf_kernels::quant::int8_unit() {
+                "amx" => "AMX-INT8 tiles",
+                _ => "AVX-512 VNNI",
+            },
             quant.threads,
             quant.rescore,
             flops / best8 / 1e9,
@@ -214,8 +218,13 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
         report["blas"]
     ));
     out.push(format!(
-        "RESULT steamrf_gflops={steamrf_gflops:.1} blas_gflops={blas_gflops:.1} ratio={:.3} precision={precision} ratio_vs_f32={ratio_vs_f32:.3} recall_at_{}={recall:.4}",
+        "RESULT steamrf_gflops={steamrf_gflops:.1} blas_gflops={blas_gflops:.1} ratio={:.3} precision={precision} int8_unit={} ratio_vs_f32={ratio_vs_f32:.3} recall_at_{}={recall:.4}",
         steamrf_gflops / blas_gflops,
+        if precision == "int8" {
+            steamrf_kernels::quant::int8_unit()
+        } else {
+            "none"
+        },
         b.k
     ));
     Ok(out)

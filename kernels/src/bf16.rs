@@ -1,0 +1,349 @@
+//! bf16 Linear layers on AMX tiles: the embedder's fastest path on CPUs that
+//! have AMX (Intel Xeon 4th generation and later).
+//!
+//! [`Bf16Linear`] holds a Linear layer's weights (`out = x · wᵀ + bias`,
+//! PyTorch's layout: `w` is `n × k`) rounded once to bf16 (round to nearest
+//! even) and packed as AMX B tiles. A call rounds its activations to bf16
+//! the same way and multiplies on the tiles with `tdpbf16ps`, which sums the
+//! exact products in f32; the bias is the accumulators' starting value. This
+//! is the arithmetic of PyTorch's `torch.autocast("cpu", dtype=bfloat16)`
+//! for a Linear layer.
+//!
+//! Tiles: a C tile is 16 rows × 16 f32, an A tile 16 rows × 32 bf16 (of
+//! `k`), a B tile 16 pairs of `k` × 16 outputs × 2 bf16 (the "VNNI" layout:
+//! for each pair of inputs, the 16 outputs' pairs side by side). The
+//! micro-kernel keeps 2 × 2 C tiles (32 rows × 32 outputs), loads two A and
+//! two B tiles per 32 inputs and issues four `tdpbf16ps` (16 × 16 × 32
+//! products each). `k` and `n` are padded to multiples of 32 with zeros;
+//! rows to a multiple of 32 in a scratch copy of the activations.
+//!
+//! Where AMX is missing or Linux refuses it ([`amx_available`]), callers
+//! choose another path. [`Bf16Linear::forward_scalar`] computes the same
+//! products without AMX: the reference the tiles are tested against.
+
+use crate::amx::Amx;
+
+/// Inputs per tile row (32 bf16 = 64 bytes).
+const KT: usize = 32;
+/// Rows and outputs per tile.
+const TT: usize = 16;
+/// Rows and outputs per micro-kernel block (2 × 2 tiles).
+const BLOCK: usize = 2 * TT;
+/// bf16 values per packed tile.
+const TILE: usize = TT * KT;
+
+/// Whether this CPU and kernel run [`Bf16Linear::forward`] on AMX tiles
+/// (see [`crate::amx::available`]).
+pub fn amx_available() -> bool {
+    crate::amx::available(Amx::Bf16)
+}
+
+/// `v` rounded to bf16, to nearest with ties to even; NaN stays NaN.
+pub fn to_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x0040) as u16;
+    }
+    let round = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(round) >> 16) as u16
+}
+
+/// The f32 value of a bf16.
+pub fn from_bf16(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// A Linear layer with bf16 weights packed for AMX (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Bf16Linear {
+    n: usize,
+    k: usize,
+    /// `k` padded to a multiple of [`KT`].
+    kp: usize,
+    /// `n` padded to a multiple of [`BLOCK`].
+    np: usize,
+    /// `[np / 16][kp / 32]` B tiles of [`TILE`] values; padding is zero.
+    tiles: Vec<u16>,
+    /// Padded to `np` with zeros.
+    bias: Vec<f32>,
+}
+
+impl Bf16Linear {
+    /// Rounds `w` (`n × k`, row-major) to bf16 and packs it.
+    ///
+    /// # Panics
+    /// If the lengths disagree, or a weight is not finite.
+    pub fn new(w: &[f32], bias: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "weights are not {n} x {k}");
+        assert_eq!(bias.len(), n, "bias is not {n} long");
+        assert!(w.iter().all(|v| v.is_finite()), "a weight is not finite");
+        let kp = k.div_ceil(KT) * KT;
+        let np = n.div_ceil(BLOCK) * BLOCK;
+        let kb = kp / KT;
+        let mut tiles = vec![0u16; np * kp];
+        for j in 0..n {
+            for p in 0..k {
+                tiles[Self::slot(kb, j, p)] = to_bf16(w[j * k + p]);
+            }
+        }
+        let mut padded = bias.to_vec();
+        padded.resize(np, 0.0);
+        Self {
+            n,
+            k,
+            kp,
+            np,
+            tiles,
+            bias: padded,
+        }
+    }
+
+    /// Where output `j`, input `p` sits in the packed tiles: tile
+    /// `(j / 16, p / 32)`, row `(p % 32) / 2`, column `j % 16`, half `p % 2`.
+    fn slot(kb: usize, j: usize, p: usize) -> usize {
+        ((j / TT) * kb + p / KT) * TILE + (p % KT) / 2 * (2 * TT) + (j % TT) * 2 + p % 2
+    }
+
+    /// Output channels.
+    pub fn outputs(&self) -> usize {
+        self.n
+    }
+
+    /// Bytes held (packed weights and bias).
+    pub fn bytes(&self) -> usize {
+        2 * self.tiles.len() + 4 * self.bias.len()
+    }
+
+    /// The weight of output `j`, input `p`, as the tiles hold it.
+    pub fn weight(&self, j: usize, p: usize) -> f32 {
+        from_bf16(self.tiles[Self::slot(self.kp / KT, j, p)])
+    }
+
+    /// `out = x · wᵀ + bias` for `x` of `t × k`, `out` of `t × n`, on AMX
+    /// where [`amx_available`], else [`Self::forward_scalar`]. Both sum the
+    /// same exact products in f32, in different orders.
+    ///
+    /// # Panics
+    /// If the lengths disagree.
+    pub fn forward(&self, out: &mut [f32], x: &[f32], t: usize) {
+        assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
+        assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        if amx_available() {
+            // SAFETY: the CPU has AMX-TILE and AMX-BF16 and this process
+            // holds the tile data permission (amx_available); x and out have
+            // t × k and t × n values (asserted above).
+            unsafe { amx::forward(self, out, x, t) };
+            return;
+        }
+        self.forward_scalar(out, x, t);
+    }
+
+    /// The same products (bf16 activations × bf16 weights, exact in f32),
+    /// summed in f64 and rounded once: the reference.
+    ///
+    /// # Panics
+    /// If the lengths disagree.
+    pub fn forward_scalar(&self, out: &mut [f32], x: &[f32], t: usize) {
+        assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
+        assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
+        let kb = self.kp / KT;
+        for i in 0..t {
+            let row: Vec<f64> = x[i * self.k..(i + 1) * self.k]
+                .iter()
+                .map(|&v| f64::from(from_bf16(to_bf16(v))))
+                .collect();
+            for j in 0..self.n {
+                let acc: f64 = row
+                    .iter()
+                    .enumerate()
+                    .map(|(p, a)| a * f64::from(from_bf16(self.tiles[Self::slot(kb, j, p)])))
+                    .sum();
+                out[i * self.n + j] = (acc + f64::from(self.bias[j])) as f32;
+            }
+        }
+    }
+}
+
+/// Rounds the `t × k` rows of `x` to bf16 and lays them out as A tiles in
+/// `a`: `[tp / 16][k / 32 rounded up]` tiles of 16 rows × 32 inputs, rows
+/// `t..tp` and inputs past `k` zero. In AVX-512 where the CPU has it; the
+/// same values as [`to_bf16`] either way.
+fn pack_rows(x: &[f32], t: usize, k: usize, tp: usize, a: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked on the line above.
+        return unsafe { simd::pack_rows(x, t, k, tp, a) };
+    }
+    pack_rows_body(x, t, k, tp, a, |src, dst| {
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = to_bf16(v);
+        }
+    });
+}
+
+/// [`pack_rows`] with `round` converting one run of at most 32 values.
+#[inline(always)]
+fn pack_rows_body(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    tp: usize,
+    a: &mut [u16],
+    mut round: impl FnMut(&[f32], &mut [u16]),
+) {
+    let kb = k.div_ceil(KT);
+    for i in 0..tp {
+        let base = (i / TT) * kb * TILE + (i % TT) * KT;
+        let src = if i < t {
+            &x[i * k..(i + 1) * k]
+        } else {
+            &[][..]
+        };
+        for c in 0..kb {
+            let dst = &mut a[base + c * TILE..base + c * TILE + KT];
+            let run = &src[(c * KT).min(src.len())..((c + 1) * KT).min(src.len())];
+            round(run, &mut dst[..run.len()]);
+            dst[run.len()..].fill(0);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn pack_rows(x: &[f32], t: usize, k: usize, tp: usize, a: &mut [u16]) {
+        super::pack_rows_body(x, t, k, tp, a, |src, dst| {
+            let whole = src.len() / 16 * 16;
+            for (c, d) in src[..whole].chunks_exact(16).zip(dst.chunks_exact_mut(16)) {
+                // SAFETY: AVX-512F (this function's contract); `c` holds 16
+                // f32 and `d` 16 u16.
+                unsafe { round16(c, d) };
+            }
+            for (d, &v) in dst[whole..].iter_mut().zip(&src[whole..]) {
+                *d = super::to_bf16(v);
+            }
+        });
+    }
+
+    /// 16 values to bf16: `bits + 0x7fff + ((bits >> 16) & 1)`, then
+    /// `>> 16` (to nearest, ties to even); NaN keeps its top bits, made quiet.
+    ///
+    /// # Safety
+    /// AVX-512F; `src` and `dst` hold at least 16 values.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn round16(src: &[f32], dst: &mut [u16]) {
+        debug_assert!(src.len() >= 16 && dst.len() >= 16);
+        // SAFETY: 16 values on each side (this function's contract).
+        unsafe {
+            let v = _mm512_loadu_ps(src.as_ptr());
+            let bits = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+            let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+            let h = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(r));
+            _mm256_storeu_si256(dst.as_mut_ptr().cast(), h);
+        }
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use std::cell::Cell;
+
+    use super::{BLOCK, Bf16Linear, KT, TILE, TT, pack_rows};
+    use crate::amx::{Config, release, tile_dot, tile_load, tile_store};
+
+    thread_local! {
+        /// Each thread's activation tiles, reused between calls.
+        static A: Cell<Vec<u16>> = const { Cell::new(Vec::new()) };
+    }
+
+    /// # Safety
+    /// The CPU must have AMX-TILE and AMX-BF16, with the tile data
+    /// permission granted to this process; `x` holds `t × k` values and
+    /// `out` `t × n`.
+    pub(super) unsafe fn forward(layer: &Bf16Linear, out: &mut [f32], x: &[f32], t: usize) {
+        let (n, k, kp, np) = (layer.n, layer.k, layer.kp, layer.np);
+        let kb = kp / KT;
+        let tp = t.div_ceil(BLOCK) * BLOCK;
+        // The activations in bf16, packed as A tiles: `[tp / 16][kb]` tiles
+        // of 16 rows × 32 inputs, so every tile load reads 1 KiB in a row.
+        // Padding rows and inputs are zero. The buffer is this thread's,
+        // kept between calls: a fresh one per call cost more than the
+        // products (page faults and zeroing of a few MB).
+        let mut a = A.take();
+        if a.len() < tp * kp {
+            a.resize(tp * kp, 0);
+        }
+        pack_rows(x, t, k, tp, &mut a);
+        let mut scratch = Vec::new();
+        let config = Config::full();
+        let stride = 2 * KT;
+        // SAFETY: for every asm statement below: the CPU runs AMX with the
+        // tile permission (this function's contract) and the configuration
+        // gives every tile 16 rows of 64 bytes. Each load reads 16 rows of
+        // 64 bytes: an A tile (1 KiB in a row) inside `a` (tp / 16 × kb
+        // tiles), a B tile inside `tiles` (np / 16 × kb tiles), or the bias
+        // row with stride 0 (16 values from jb + 16 ≤ np). Each store writes
+        // 16 rows of 16 f32 at `ld` values apart into `dst`: either `out`
+        // rows ib..ib+32 (a full block and np == n) or `scratch` (32 rows of
+        // np values), columns jb..jb+32 ≤ np.
+        unsafe {
+            config.load();
+            for ib in (0..tp).step_by(BLOCK) {
+                let full = ib + BLOCK <= t && np == n;
+                let (dst, ld) = if full {
+                    (out.as_mut_ptr().add(ib * n), n)
+                } else {
+                    scratch.resize(BLOCK * np, 0.0f32);
+                    (scratch.as_mut_ptr(), np)
+                };
+                let row_bytes = 4 * ld;
+                let a0 = a.as_ptr().add((ib / TT) * kb * TILE);
+                let a1 = a0.add(kb * TILE);
+                for jb in (0..np).step_by(BLOCK) {
+                    let bias = layer.bias.as_ptr().add(jb);
+                    tile_load!("0", bias, 0usize);
+                    tile_load!("1", bias.add(TT), 0usize);
+                    tile_load!("2", bias, 0usize);
+                    tile_load!("3", bias.add(TT), 0usize);
+                    let b0 = layer.tiles.as_ptr().add((jb / TT) * kb * TILE);
+                    let b1 = b0.add(kb * TILE);
+                    for c in 0..kb {
+                        tile_load!("4", a0.add(c * TILE), stride);
+                        tile_load!("6", b0.add(c * TILE), stride);
+                        tile_dot!("tdpbf16ps", "0", "4", "6");
+                        tile_load!("7", b1.add(c * TILE), stride);
+                        tile_dot!("tdpbf16ps", "1", "4", "7");
+                        tile_load!("5", a1.add(c * TILE), stride);
+                        tile_dot!("tdpbf16ps", "2", "5", "6");
+                        tile_dot!("tdpbf16ps", "3", "5", "7");
+                    }
+                    tile_store!("0", dst.add(jb), row_bytes);
+                    tile_store!("1", dst.add(jb + TT), row_bytes);
+                    tile_store!("2", dst.add(TT * ld + jb), row_bytes);
+                    tile_store!("3", dst.add(TT * ld + jb + TT), row_bytes);
+                }
+                if !full {
+                    for r in 0..(t - ib).min(BLOCK) {
+                        out[(ib + r) * n..(ib + r + 1) * n]
+                            .copy_from_slice(&scratch[r * np..r * np + n]);
+                    }
+                }
+            }
+            release();
+        }
+        A.set(a);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,115 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as u64 * 2654435761 + seed * 97) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// Which path `forward` takes on this machine, in the test log.
+fn path() -> &'static str {
+    if amx_available() { "amx" } else { "scalar" }
+}
+
+#[test]
+fn rounding_is_to_nearest_even_like_the_half_crate() {
+    let specials = [
+        0.0f32,
+        -0.0,
+        1.0,
+        -1.5,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-40,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        // Exactly halfway between two bf16 values: ties go to the even one.
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+    ];
+    let mut all: Vec<f32> = values(5000, 3).iter().map(|v| v * 1e3).collect();
+    all.extend(specials);
+    for v in all {
+        assert_eq!(to_bf16(v), half::bf16::from_f32(v).to_bits(), "{v:e}");
+    }
+    assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+}
+
+proptest! {
+    /// The AVX-512 packing gives the scalar values in the tile layout, NaN
+    /// included, padding zero.
+    #[test]
+    fn packing_agrees(t in 1usize..40, k in 1usize..90, seed in 0u64..1000, nan in 0usize..3600) {
+        let mut x: Vec<f32> = values(t * k, seed).iter().map(|v| v * 37.0).collect();
+        x[nan % (t * k)] = f32::NAN;
+        let (tp, kb) = (t.div_ceil(BLOCK) * BLOCK, k.div_ceil(KT));
+        let mut got = vec![7u16; tp * kb * KT];
+        pack_rows(&x, t, k, tp, &mut got);
+        for i in 0..tp {
+            for p in 0..kb * KT {
+                let g = got[(i / TT) * kb * TILE + (p / KT) * TILE + (i % TT) * KT + p % KT];
+                if i >= t || p >= k {
+                    prop_assert_eq!(g, 0);
+                } else if x[i * k + p].is_nan() {
+                    prop_assert!(from_bf16(g).is_nan());
+                } else {
+                    prop_assert_eq!(g, to_bf16(x[i * k + p]));
+                }
+            }
+        }
+    }
+
+    /// The tiles and the scalar reference agree on odd shapes: row tails
+    /// (t not a multiple of 32), output tails, inputs not a multiple of 32.
+    #[test]
+    fn tiles_match_the_scalar_reference(t in 0usize..70, k in 1usize..100, n in 1usize..80, seed in 0u64..1000) {
+        let x = values(t * k, seed);
+        let w = values(n * k, seed + 1);
+        let bias = values(n, seed + 2);
+        let layer = Bf16Linear::new(&w, &bias, n, k);
+        let mut fast = vec![f32::NAN; t * n];
+        let mut slow = vec![f32::NAN; t * n];
+        layer.forward(&mut fast, &x, t);
+        layer.forward_scalar(&mut slow, &x, t);
+        for (a, b) in fast.iter().zip(&slow) {
+            // f32 sums of k exact products, |product| <= 1.
+            prop_assert!((a - b).abs() <= 2e-6 * (k as f32 + 1.0), "{}: {a} vs {b}", path());
+        }
+    }
+}
+
+/// The shapes of the embedder (MiniLM: k 384 and 1,536, n 384, 1,152 and
+/// 1,536): against f32 the error is bf16's (8 bits of mantissa).
+#[test]
+fn embedder_shapes_are_close_to_f32() {
+    eprintln!("bf16 Linear path on this machine: {}", path());
+    for (t, k, n) in [(37, 384, 1152), (70, 1536, 384), (33, 384, 1536)] {
+        let x = values(t * k, 11);
+        let w: Vec<f32> = values(n * k, 12).iter().map(|v| v * 0.05).collect();
+        let bias = values(n, 13);
+        let layer = Bf16Linear::new(&w, &bias, n, k);
+        let mut got = vec![0.0; t * n];
+        layer.forward(&mut got, &x, t);
+        let mut exact = vec![0.0; t * n];
+        layer.forward_scalar(&mut exact, &x, t);
+        for i in 0..t {
+            for j in 0..n {
+                let f32_ref: f32 =
+                    bias[j] + (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum::<f32>();
+                let (g, e) = (got[i * n + j], exact[i * n + j]);
+                assert!((g - e).abs() <= 1e-4, "{t}x{k}x{n}: {g} vs {e}");
+                // Two roundings of 2^-9 relative each, over k terms of
+                // magnitude <= 0.05, as a random walk with slack.
+                assert!(
+                    (g - f32_ref).abs() <= 0.02,
+                    "{t}x{k}x{n}: {g} vs f32 {f32_ref}"
+                );
+            }
+        }
+    }
+    let layer = Bf16Linear::new(&[0.1, -0.2], &[0.0], 1, 2);
+    assert_eq!(layer.outputs(), 1);
+    assert_eq!(layer.weight(0, 1), from_bf16(to_bf16(-0.2)));
+}
