@@ -120,7 +120,7 @@ impl Default for MiniLmOptions {
             backend: Backend::default(),
             precision: Precision::default(),
             max_tokens: 256,
-            batch_size: 32,
+            batch_size: 16,
             max_batch_tokens: 8192,
         }
     }
