@@ -38,19 +38,15 @@ pub fn amx_available() -> bool {
     crate::amx::available(Amx::Bf16)
 }
 
-/// `v` rounded to bf16, to nearest with ties to even; NaN stays NaN.
-pub fn to_bf16(v: f32) -> u16 {
-    let bits = v.to_bits();
-    if v.is_nan() {
-        return ((bits >> 16) | 0x0040) as u16;
-    }
-    let round = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(round) >> 16) as u16
+/// `v` rounded to bf16, to nearest with ties to even (the `half` crate's
+/// conversion, which the AVX-512 packing below reproduces).
+fn to_bf16(v: f32) -> u16 {
+    half::bf16::from_f32(v).to_bits()
 }
 
 /// The f32 value of a bf16.
-pub fn from_bf16(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
+fn from_bf16(b: u16) -> f32 {
+    half::bf16::from_bits(b).to_f32()
 }
 
 /// A Linear layer with bf16 weights packed for AMX (see the module docs).
@@ -107,11 +103,6 @@ impl Bf16Linear {
     /// Output channels.
     pub fn outputs(&self) -> usize {
         self.n
-    }
-
-    /// Bytes held (packed weights and bias).
-    pub fn bytes(&self) -> usize {
-        2 * self.tiles.len() + 4 * self.bias.len()
     }
 
     /// The weight of output `j`, input `p`, as the tiles hold it.
@@ -262,8 +253,9 @@ mod amx {
     use crate::amx::{Config, release, tile_dot, tile_load, tile_store};
 
     thread_local! {
-        /// Each thread's activation tiles, reused between calls.
-        static A: Cell<Vec<u16>> = const { Cell::new(Vec::new()) };
+        /// Each thread's activation tiles and partial-block outputs, reused
+        /// between calls.
+        static BUFFERS: Cell<(Vec<u16>, Vec<f32>)> = const { Cell::new((Vec::new(), Vec::new())) };
     }
 
     /// # Safety
@@ -276,15 +268,14 @@ mod amx {
         let tp = t.div_ceil(BLOCK) * BLOCK;
         // The activations in bf16, packed as A tiles: `[tp / 16][kb]` tiles
         // of 16 rows × 32 inputs, so every tile load reads 1 KiB in a row.
-        // Padding rows and inputs are zero. The buffer is this thread's,
-        // kept between calls: a fresh one per call cost more than the
+        // Padding rows and inputs are zero. The buffers are this thread's,
+        // kept between calls: fresh ones per call cost more than the
         // products (page faults and zeroing of a few MB).
-        let mut a = A.take();
+        let (mut a, mut scratch) = BUFFERS.take();
         if a.len() < tp * kp {
             a.resize(tp * kp, 0);
         }
         pack_rows(x, t, k, tp, &mut a);
-        let mut scratch = Vec::new();
         let config = Config::full();
         let stride = 2 * KT;
         // SAFETY: for every asm statement below: the CPU runs AMX with the
@@ -303,7 +294,9 @@ mod amx {
                 let (dst, ld) = if full {
                     (out.as_mut_ptr().add(ib * n), n)
                 } else {
-                    scratch.resize(BLOCK * np, 0.0f32);
+                    if scratch.len() < BLOCK * np {
+                        scratch.resize(BLOCK * np, 0.0f32);
+                    }
                     (scratch.as_mut_ptr(), np)
                 };
                 let row_bytes = 4 * ld;
@@ -341,7 +334,7 @@ mod amx {
             }
             release();
         }
-        A.set(a);
+        BUFFERS.set((a, scratch));
     }
 }
 

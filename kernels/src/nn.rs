@@ -309,10 +309,16 @@ fn sum(x: &[f32]) -> f32 {
     for (a, v) in acc.iter_mut().zip(rest) {
         *a += v;
     }
+    fold_lanes(acc, |a, b| a + b)
+}
+
+/// `acc`'s 16 lanes combined by `op` as a tree (8 with 8, 4 with 4, …).
+#[inline(always)]
+fn fold_lanes(mut acc: [f32; 16], op: impl Fn(f32, f32) -> f32) -> f32 {
     let mut width = 8;
     while width > 0 {
         for i in 0..width {
-            acc[i] += acc[i + width];
+            acc[i] = op(acc[i], acc[i + width]);
         }
         width /= 2;
     }
@@ -333,15 +339,7 @@ fn max(x: &[f32]) -> f32 {
     for (a, v) in acc.iter_mut().zip(rest) {
         *a = if *v > *a { *v } else { *a };
     }
-    let mut width = 8;
-    while width > 0 {
-        for i in 0..width {
-            let v = acc[i + width];
-            acc[i] = if v > acc[i] { v } else { acc[i] };
-        }
-        width /= 2;
-    }
-    acc[0]
+    fold_lanes(acc, |a, b| if b > a { b } else { a })
 }
 
 /// In-place softmax over each row of `cols` values.

@@ -57,12 +57,19 @@ pub fn vnni_available() -> bool {
 /// What runs [`Format::Int8`] layers on this CPU: `"amx"` (AMX-INT8 tiles),
 /// `"vnni"` (AVX-512 VNNI) or `"scalar"` (the reference).
 pub fn int8_unit() -> &'static str {
-    let vnni = vnni_available();
-    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    if vnni && crate::amx::available(crate::amx::Amx::Int8) {
-        return "amx";
+    if int8_on_amx() {
+        "amx"
+    } else if vnni_available() {
+        "vnni"
+    } else {
+        "scalar"
     }
-    if vnni { "vnni" } else { "scalar" }
+}
+
+/// Whether [`Format::Int8`] runs on AMX-INT8 tiles: AMX granted, and
+/// AVX-512 (VNNI's checks) for the shared epilogue.
+fn int8_on_amx() -> bool {
+    crate::amx::available(crate::amx::Amx::Int8) && vnni_available()
 }
 
 /// The integer format of a [`QuantLinear`].
@@ -220,10 +227,7 @@ impl QuantLinear {
         assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
         assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        if self.format == Format::Int8
-            && crate::amx::available(crate::amx::Amx::Int8)
-            && vnni_available()
-        {
+        if self.format == Format::Int8 && int8_on_amx() {
             let q = self.quantise(x, t);
             // SAFETY: the CPU has AMX-TILE and AMX-INT8 with the tile data
             // permission, and AVX-512F (checked just above); `q` is this

@@ -254,14 +254,7 @@ mod tests {
             eprintln!("int8 similarity: skipped, this CPU has no AVX-512 VNNI");
             return;
         };
-        eprintln!(
-            "int8 similarity: {} path",
-            if crate::amx::available(crate::amx::Amx::Int8) {
-                "AMX-INT8"
-            } else {
-                "AVX-512 VNNI"
-            }
-        );
+        eprintln!("int8 similarity: {} path", crate::quant::int8_unit());
         let dim = 384;
         let corpus = Corpus::from_rows(&uniform(20_000, dim, 3), dim).unwrap();
         let queries = uniform(20, dim, 4);

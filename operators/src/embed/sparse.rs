@@ -127,7 +127,8 @@ impl Default for SpladeOptions {
 pub struct Splade {
     bert: NativeBert,
     head: MlmHead,
-    /// The decoder on integer weights, in vocabulary blocks (`None`: f32).
+    /// The decoder at reduced precision (integers or bf16), in vocabulary
+    /// blocks (`None`: f32).
     quant: Option<Vec<Dense>>,
     tokenizer: Tokenizer,
     opts: SpladeOptions,
