@@ -66,6 +66,10 @@ pub struct CommunityDelta {
     pub relabelled: u64,
     /// The memories whose community id changed or that are new (to persist).
     pub moved: BTreeSet<MemoryId>,
+    /// For each memory whose community id changed or that was removed: the
+    /// community it was in before the batch (what a per-community
+    /// aggregate must take it out of).
+    pub left: BTreeMap<MemoryId, MemoryId>,
     /// New links that joined two communities whose sizes together exceed
     /// the cap: kept as links, not merged.
     pub refused: u64,
@@ -245,15 +249,18 @@ impl Communities {
         }
     }
 
-    fn ensure_node(&mut self, m: MemoryId, delta: &mut CommunityDelta) {
+    /// Adds `m` as a community of its own unless it is a node; true if it
+    /// was added.
+    fn ensure_node(&mut self, m: MemoryId, delta: &mut CommunityDelta) -> bool {
         if self.adj.contains_key(&m) {
-            return;
+            return false;
         }
         self.adj.insert(m, BTreeSet::new());
         self.label.insert(m, m);
         self.members.insert(m, BTreeSet::from([m]));
         delta.changed.insert(m);
         delta.moved.insert(m);
+        true
     }
 
     /// Applies one batch: removals first (splits), then additions (merges).
@@ -285,6 +292,7 @@ impl Communities {
                 }
             }
             if let Some(c) = self.label.remove(&m) {
+                delta.left.entry(m).or_insert(c);
                 if let Some(set) = self.members.get_mut(&c) {
                     set.remove(&m);
                 }
@@ -294,16 +302,23 @@ impl Communities {
         for c in dirty {
             self.resplit(c, &mut delta);
         }
-        // Additions.
+        // Additions. A node new in this batch was in no community before it,
+        // whatever it passed through: it leaves none (`left`).
+        let mut fresh: BTreeSet<MemoryId> = BTreeSet::new();
+        let mut add = |c: &mut Self, m: MemoryId, delta: &mut CommunityDelta| {
+            if c.ensure_node(m, delta) && !delta.left.contains_key(&m) {
+                fresh.insert(m);
+            }
+        };
         for &m in &batch.add_nodes {
-            self.ensure_node(m, &mut delta);
+            add(self, m, &mut delta);
         }
         for &(a, b) in &batch.add_edges {
             if a == b {
                 continue;
             }
-            self.ensure_node(a, &mut delta);
-            self.ensure_node(b, &mut delta);
+            add(self, a, &mut delta);
+            add(self, b, &mut delta);
             let new = self.adj.get_mut(&a).is_some_and(|s| s.insert(b));
             if !new {
                 continue;
@@ -317,6 +332,7 @@ impl Communities {
         delta.removed.retain(|c| !self.members.contains_key(c));
         delta.changed.retain(|c| self.members.contains_key(c));
         delta.moved.retain(|m| self.label.contains_key(m));
+        delta.left.retain(|m, _| !fresh.contains(m));
         delta
     }
 
@@ -341,7 +357,9 @@ impl Communities {
         let moved = self.members.remove(&fold).unwrap_or_default();
         let mut queue: VecDeque<MemoryId> = moved.iter().copied().collect();
         while let Some(m) = queue.pop_front() {
-            self.label.insert(m, keep);
+            if let Some(old) = self.label.insert(m, keep) {
+                delta.left.entry(m).or_insert(old);
+            }
             delta.relabelled += 1;
             delta.moved.insert(m);
         }
@@ -380,7 +398,11 @@ impl Communities {
             }
             let id = *part.first().unwrap_or(&start);
             for &m in &part {
-                if self.label.insert(m, id) != Some(id) {
+                let old = self.label.insert(m, id);
+                if old != Some(id) {
+                    if let Some(old) = old {
+                        delta.left.entry(m).or_insert(old);
+                    }
                     delta.relabelled += 1;
                     delta.moved.insert(m);
                 }
@@ -580,7 +602,27 @@ mod tests {
             for op in &ops {
                 // Remove some existing edges too, so splits happen often.
                 let batch = batch(op, c.edges().into_iter().step_by(3).collect());
+                let before = c.label.clone();
                 let delta = c.apply(&batch);
+                // `left` names exactly the memories whose community changed
+                // or that are gone, with their community before the batch.
+                for (m, was) in &before {
+                    if c.community_of(*m) == Some(*was) {
+                        // Relabelled and back again counts as moved both ways.
+                        prop_assert!(delta.left.get(m).is_none_or(|l| l == was && delta.moved.contains(m)));
+                    } else {
+                        prop_assert_eq!(delta.left.get(m), Some(was));
+                    }
+                }
+                for m in delta.left.keys() {
+                    prop_assert!(before.contains_key(m));
+                }
+                // Every memory with a new community is reported moved.
+                for (m, now) in &c.label {
+                    if before.get(m) != Some(now) {
+                        prop_assert!(delta.moved.contains(m));
+                    }
+                }
                 // Every reported community exists, every removed one does not.
                 for id in &delta.changed {
                     prop_assert!(c.members(*id).is_some());

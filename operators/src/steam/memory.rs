@@ -226,6 +226,18 @@ impl UserMemories {
 
     /// Evolves the memories with one observation (consolidation or formation).
     pub fn observe(&mut self, obs: &Observation, params: &EvolveParams) -> Step {
+        self.observe_with(obs, params, |_| {})
+    }
+
+    /// [`UserMemories::observe`], calling `before_change` with the memory a
+    /// consolidation is about to change, as it was (what an aggregate over
+    /// it must take out).
+    pub fn observe_with(
+        &mut self,
+        obs: &Observation,
+        params: &EvolveParams,
+        before_change: impl FnOnce(&Memory),
+    ) -> Step {
         if let Some(m) = self
             .memories
             .iter()
@@ -257,6 +269,7 @@ impl UserMemories {
             .or_else(|| obs.text.as_ref().map(|t| t.chars().take(120).collect()));
         match target {
             Some(i) => {
+                before_change(&self.memories[i]);
                 let m = &mut self.memories[i];
                 let n = m.interactions.len() as f32;
                 let centroid: Vec<f32> = m

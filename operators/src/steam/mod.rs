@@ -19,6 +19,7 @@ pub mod ids;
 pub mod memory;
 pub mod relations;
 pub mod retrieve;
+mod tally;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -27,6 +28,7 @@ use steamrf_kernels::SimilarityKernel;
 use self::community::{Communities, CommunityDelta, GraphBatch};
 use self::memory::{EvolveParams, Memory, Observation, Step, UserMemories, summarise};
 use self::relations::{Link, MemoryIndex};
+use self::tally::{Tallies, Tally};
 
 pub use self::ids::{IdKey, MemoryId};
 
@@ -152,6 +154,9 @@ pub struct SteamState {
     communities: Communities,
     out_links: HashMap<MemoryId, Vec<Link>>,
     prototypes: HashMap<MemoryId, Prototype>,
+    /// What the prototypes of the larger communities are built from, kept
+    /// as members join, leave and change ([`tally`]).
+    tallies: Tallies,
     /// Titles and categories of the items observed or learned: the only
     /// text a prototype is built from.
     catalogue: HashMap<String, ItemFacts>,
@@ -168,8 +173,18 @@ impl SteamState {
             communities: Communities::with_cap(params.max_community),
             out_links: HashMap::new(),
             prototypes: HashMap::new(),
+            tallies: Tallies::new(dim),
             catalogue: HashMap::new(),
         }
+    }
+
+    /// Keeps a tally for every community of at least `members` members
+    /// (the default is [`Tallies::KEEP_FROM`]); what is published does not
+    /// depend on it. Tests set 1 to check the tallies on every community.
+    #[cfg(test)]
+    fn keeping_tallies_from(mut self, members: usize) -> Self {
+        self.tallies = Tallies::keeping_from(self.index.dim(), members);
+        self
     }
 
     /// An empty state with the same parameters and item catalogue (a
@@ -215,8 +230,7 @@ impl SteamState {
 
     /// A memory by id.
     pub fn memory(&self, id: MemoryId) -> Option<&Memory> {
-        let u = self.users.get(self.owner.get(&id)?)?;
-        u.memories.iter().find(|m| m.id == id)
+        find(&self.users, &self.owner, id)
     }
 
     /// Published prototypes.
@@ -275,6 +289,10 @@ impl SteamState {
         content: String,
         embedding: Vec<f32>,
     ) -> Result<Option<MemoryId>, steamrf_kernels::Error> {
+        // The profile memory is replaced in place: out of its community's
+        // tally before, back in after (changed or not).
+        let profile = self.params.evolve.id_key.profile(user_id);
+        self.untally(profile);
         let id = self
             .users
             .entry(user_id.to_owned())
@@ -286,6 +304,7 @@ impl SteamState {
                 content,
                 embedding,
             );
+        self.retally(profile);
         if let Some(id) = id {
             self.touch(user_id, id)?;
         }
@@ -323,11 +342,16 @@ impl SteamState {
             }
         }
         for (user_id, obs) in &batch {
+            let (tallies, communities) = (&mut self.tallies, &self.communities);
             let step = self
                 .users
                 .entry(user_id.clone())
                 .or_insert_with(|| UserMemories::new(user_id.as_str()))
-                .observe(obs, &self.params.evolve);
+                .observe_with(obs, &self.params.evolve, |m| {
+                    if let Some(c) = communities.community_of(m.id) {
+                        tallies.leave(c, m);
+                    }
+                });
             let id = match step {
                 Step::Formed(id) => {
                     let user = self.users.get_mut(user_id).expect("observed above");
@@ -348,6 +372,7 @@ impl SteamState {
                     id
                 }
                 Step::Consolidated(id) => {
+                    self.retally(id);
                     out.consolidated += 1;
                     id
                 }
@@ -413,7 +438,7 @@ impl SteamState {
             out.links.extend(links.iter().copied());
         }
         let started = std::time::Instant::now();
-        out.delta = self.communities.apply(&batch);
+        out.delta = self.apply_graph(&batch);
         // A prototype is built from its members' items and embeddings: a
         // member that changed changes it, even when no link did.
         for &m in changed {
@@ -444,11 +469,17 @@ impl SteamState {
         kernel: &dyn SimilarityKernel,
         user_id: &str,
     ) -> Result<(Vec<MemoryId>, LinkOutcome), steamrf_kernels::Error> {
-        let gone: BTreeSet<MemoryId> = self
-            .users
-            .remove(user_id)
-            .map(|u| u.memories.iter().map(|m| m.id).collect())
-            .unwrap_or_default();
+        let removed = self.users.remove(user_id);
+        let gone: BTreeSet<MemoryId> = removed
+            .iter()
+            .flat_map(|u| u.memories.iter().map(|m| m.id))
+            .collect();
+        // Out of their communities' tallies while their content is at hand.
+        for m in removed.iter().flat_map(|u| &u.memories) {
+            if let Some(c) = self.communities.community_of(m.id) {
+                self.tallies.leave(c, m);
+            }
+        }
         let batch = GraphBatch {
             remove_nodes: gone.iter().copied().collect(),
             ..GraphBatch::default()
@@ -479,7 +510,7 @@ impl SteamState {
             return Ok((Vec::new(), LinkOutcome::default()));
         }
         affected.sort_unstable();
-        let delta = self.communities.apply(&batch);
+        let delta = self.apply_graph(&batch);
         self.relabel(delta.moved.iter().copied());
         let mut out = self.link(kernel, &affected)?;
         // Merge the removal's community changes into the outcome.
@@ -564,7 +595,14 @@ impl SteamState {
             .entry(user.clone())
             .or_insert_with(|| UserMemories::new(user.as_str()));
         match u.memories.iter_mut().find(|x| x.id == id) {
-            Some(x) => *x = m,
+            Some(x) => {
+                // Replaced in place: its community's tally follows.
+                if let Some(c) = self.communities.community_of(id) {
+                    self.tallies.leave(c, x);
+                    self.tallies.join(c, &m);
+                }
+                *x = m;
+            }
             None => u.memories.push(m),
         }
         self.touch(&user, id)
@@ -592,6 +630,16 @@ impl SteamState {
             self.params.max_community,
         );
         self.prototypes.clear();
+        self.tallies.clear();
+        for (c, members) in self.communities.iter() {
+            let (users, owner) = (&self.users, &self.owner);
+            self.tallies.resize(c, members.len(), || {
+                members
+                    .iter()
+                    .filter_map(|&m| find(users, owner, m))
+                    .collect()
+            });
+        }
         let all: Vec<MemoryId> = self.owner.keys().copied().collect();
         self.relabel(all.into_iter());
         let mut out = LinkOutcome::default();
@@ -619,35 +667,84 @@ impl SteamState {
     /// users, and the sum of the embeddings. Prototypes are built from it,
     /// and so are their LLM prompts.
     pub fn digest(&self, members: &[MemoryId], max_titles: usize) -> Digest {
-        let found: Vec<&Memory> = members.iter().filter_map(|&id| self.memory(id)).collect();
-        let mut d = Digest::default();
-        if let Some(first) = found.first() {
-            d.sum = vec![0.0; first.embedding.len()];
+        let found = members.iter().filter_map(|&id| self.memory(id));
+        Tally::of(self.tallies.dim(), found).digest(
+            &self.catalogue,
+            self.params.min_users,
+            max_titles,
+        )
+    }
+
+    /// Community `c`'s digest: from its tally where it keeps one, else from
+    /// its members (the same result: [`tally`]).
+    fn community_digest(&self, c: MemoryId, members: &[MemoryId]) -> Digest {
+        match self.tallies.get(c) {
+            Some(t) => t.digest(&self.catalogue, self.params.min_users, memory::RECENT),
+            None => self.digest(members, memory::RECENT),
         }
-        let mut users: Vec<&str> = Vec::with_capacity(found.len());
-        for m in &found {
-            users.push(&m.user_id);
-            if m.embedding.len() == d.sum.len() {
-                steamrf_kernels::nn::add_assign(&mut d.sum, &m.embedding);
+    }
+
+    /// Applies a batch to the link graph and moves the members whose
+    /// community changed between the tallies.
+    fn apply_graph(&mut self, batch: &GraphBatch) -> CommunityDelta {
+        let delta = self.communities.apply(batch);
+        let (users, owner) = (&self.users, &self.owner);
+        for (&m, &c) in &delta.left {
+            // A forgotten memory left its tally before it went.
+            if let Some(mem) = find(users, owner, m) {
+                self.tallies.leave(c, mem);
             }
         }
-        users.sort_unstable();
-        users.dedup();
-        let mut shared: Vec<(usize, &ItemFacts)> = shared_items(found, self.params.min_users)
-            .into_iter()
-            .filter_map(|(i, n)| Some((n, self.catalogue.get(i)?)))
-            .collect();
-        shared.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.title.cmp(&b.1.title)));
-        for &(n, facts) in &shared {
-            for c in &facts.categories {
-                *d.facets.entry(c.clone()).or_default() += n as u32;
-            }
-            if d.titles.len() < max_titles && !d.titles.contains(&facts.title) {
-                d.titles.push(facts.title.clone());
+        for &m in &delta.moved {
+            if let (Some(c), Some(mem)) = (self.communities.community_of(m), find(users, owner, m))
+            {
+                self.tallies.join(c, mem);
             }
         }
-        d.users = users.len();
-        d
+        for &c in &delta.removed {
+            self.tallies.remove(c);
+        }
+        for &c in &delta.changed {
+            let Some(members) = self.communities.members(c) else {
+                continue;
+            };
+            self.tallies.resize(c, members.len(), || {
+                members
+                    .iter()
+                    .filter_map(|&m| find(users, owner, m))
+                    .collect()
+            });
+            debug_assert!(
+                self.tallies
+                    .get(c)
+                    .is_none_or(|t| t.members() == members.len()),
+                "community {c}'s tally counts {} members, it has {}",
+                self.tallies.get(c).map_or(0, Tally::members),
+                members.len()
+            );
+        }
+        delta
+    }
+
+    /// Takes `id`'s current content out of its community's tally (before
+    /// an in-place change).
+    fn untally(&mut self, id: MemoryId) {
+        if let (Some(c), Some(m)) = (
+            self.communities.community_of(id),
+            find(&self.users, &self.owner, id),
+        ) {
+            self.tallies.leave(c, m);
+        }
+    }
+
+    /// Puts `id`'s current content back into its community's tally.
+    fn retally(&mut self, id: MemoryId) {
+        if let (Some(c), Some(m)) = (
+            self.communities.community_of(id),
+            find(&self.users, &self.owner, id),
+        ) {
+            self.tallies.join(c, m);
+        }
     }
 
     /// Sets each of `ids`' community label to its community now (none if
@@ -675,7 +772,12 @@ impl SteamState {
                 continue;
             };
             let members: Vec<MemoryId> = members.iter().copied().collect();
-            let digest = self.digest(&members, memory::RECENT);
+            // Fewer members than the user floor cannot publish.
+            let digest = if members.len() < self.params.min_users {
+                Digest::default()
+            } else {
+                self.community_digest(c, &members)
+            };
             if digest.users < self.params.min_users {
                 if self.prototypes.remove(&c).is_some() {
                     out.prototypes_removed.push(c);
@@ -693,6 +795,17 @@ impl SteamState {
             out.prototypes.push(p);
         }
     }
+}
+
+/// Memory `id` of `users`, found through `owner` (a free function so that
+/// callers can borrow the other fields of the state at the same time).
+fn find<'a>(
+    users: &'a BTreeMap<String, UserMemories>,
+    owner: &HashMap<MemoryId, String>,
+    id: MemoryId,
+) -> Option<&'a Memory> {
+    let u = users.get(owner.get(&id)?)?;
+    u.memories.iter().find(|m| m.id == id)
 }
 
 /// The items at least `floor` (and at least one) distinct users chose among

@@ -481,3 +481,133 @@ fn a_memory_id_never_changes_owner() {
         .unwrap();
     assert_eq!(o.formed, 1);
 }
+
+mod tallies {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A user observes an item in a direction.
+        Observe(u8, u8, u8),
+        /// A user's first memory arrives again from the changes topic, with
+        /// another direction and one more item (the writer's path).
+        Restore(u8, u8, u8),
+        /// A newer profile for a user.
+        Profile(u8, u8),
+        Forget(u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0u8..6, 0u8..5, 0u8..4).prop_map(|(u, d, i)| Op::Observe(u, d, i)),
+            2 => (0u8..6, 0u8..5, 0u8..4).prop_map(|(u, d, i)| Op::Restore(u, d, i)),
+            1 => (0u8..6, 0u8..5).prop_map(|(u, d)| Op::Profile(u, d)),
+            1 => (0u8..6).prop_map(Op::Forget),
+        ]
+    }
+
+    /// Five directions, the first three close enough to link.
+    fn direction(d: u8) -> Vec<f32> {
+        match d {
+            0 => vec![1.0, 0.1, 0.0, 0.0],
+            1 => vec![0.9, 0.3, 0.1, 0.0],
+            2 => vec![0.8, 0.0, 0.3, 0.1],
+            3 => vec![0.0, 0.0, 1.0, 0.2],
+            _ => vec![0.1, 0.0, 0.9, 0.4],
+        }
+    }
+
+    fn apply(s: &mut SteamState, step: usize, op: &Op) {
+        let kernel = CpuKernel::default();
+        let user = |u: &u8| format!("u{u}");
+        let changed = match op {
+            Op::Observe(u, d, i) => {
+                let o = Observation {
+                    event_id: format!("e{step}"),
+                    timestamp_ms: step as i64,
+                    embedding: direction(*d),
+                    item_id: Some(format!("i{i}")),
+                    title: Some(format!("Item {i}")),
+                    categories: vec![format!("c{}", i % 2)],
+                    text: None,
+                };
+                s.observe(vec![(user(u), o)]).unwrap().changed
+            }
+            Op::Restore(u, d, i) => {
+                let Some(mut m) = s.user(&user(u)).and_then(|x| x.memories.first()).cloned() else {
+                    return;
+                };
+                m.embedding = memory::normalized(direction(*d));
+                m.items.push(format!("i{i}"));
+                m.version += 1;
+                let id = m.id;
+                s.restore_memory(m).unwrap();
+                vec![id]
+            }
+            Op::Profile(u, d) => s
+                .init_profile(
+                    &user(u),
+                    &format!("p{step}"),
+                    step as i64,
+                    "p".into(),
+                    direction(*d),
+                )
+                .unwrap()
+                .into_iter()
+                .collect(),
+            Op::Forget(u) => {
+                s.forget_user(&kernel, &user(u)).unwrap();
+                return;
+            }
+        };
+        s.link(&kernel, &changed).unwrap();
+    }
+
+    fn prototypes(s: &SteamState) -> BTreeMap<MemoryId, Prototype> {
+        s.prototypes().map(|p| (p.id, p.clone())).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Kept through any observations, restores, profiles and forgets,
+        /// every tally equals the digest built from its community's members
+        /// now, bit for bit; and what is published does not depend on
+        /// which communities keep a tally.
+        #[test]
+        fn kept_tallies_equal_digests_from_scratch(
+            ops in prop::collection::vec(op(), 1..40),
+            cap in prop_oneof![Just(0usize), 2usize..6],
+        ) {
+            let params = SteamParams {
+                min_users: 2,
+                max_community: cap,
+                ..SteamParams::default()
+            };
+            let mut states: Vec<SteamState> = [1, 3, usize::MAX]
+                .into_iter()
+                .map(|from| SteamState::new(params, 4).keeping_tallies_from(from))
+                .collect();
+            for (step, op) in ops.iter().enumerate() {
+                for s in &mut states {
+                    apply(s, step, op);
+                }
+                let s = &states[0];
+                for (c, members) in s.communities().iter() {
+                    let members: Vec<MemoryId> = members.iter().copied().collect();
+                    let t = s.tallies.get(c).expect("every community keeps a tally from 1");
+                    prop_assert_eq!(t.members(), members.len());
+                    prop_assert_eq!(
+                        t.digest(&s.catalogue, s.params.min_users, memory::RECENT),
+                        s.digest(&members, memory::RECENT)
+                    );
+                }
+                prop_assert_eq!(s.tallies.len(), s.communities().count());
+                prop_assert_eq!(prototypes(&states[1]), prototypes(s));
+                prop_assert_eq!(prototypes(&states[2]), prototypes(s));
+            }
+        }
+    }
+}
