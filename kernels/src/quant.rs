@@ -147,45 +147,115 @@ impl QuantLinear {
         assert!(w.iter().all(|v| v.is_finite()), "a weight is not finite");
         let groups = k.div_ceil(format.per_group());
         let blocks = n.div_ceil(NR);
-        let (w_max, a_max) = format.limits(k);
+        let (_, a_max) = format.limits(k);
         // AMX_SLACK zero bytes past the last block: the AMX path's last
         // B tiles may read up to 15 groups past the end (multiplied by
         // zero activations).
-        let mut packed = vec![0u8; blocks * groups * NR * 4 + AMX_SLACK];
-        let mut scale = vec![0.0f32; blocks * NR];
-        let mut col_sum = vec![0.0f32; blocks * NR];
-        let per = format.per_group();
-        for j in 0..n {
-            let row = &w[j * k..(j + 1) * k];
-            let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let s = if amax > 0.0 { amax / w_max } else { 1.0 };
-            scale[j] = s;
-            let (b, c) = (j / NR, j % NR);
-            let mut sum = 0i64;
-            for (p, v) in row.iter().enumerate() {
-                let q = (v / s).round().clamp(-w_max, w_max) as i32;
-                sum += i64::from(q);
-                let at = b * groups * NR * 4 + (p / per) * NR * 4 + c * 4;
-                match format {
-                    Format::Int16 => {
-                        let o = at + (p % 2) * 2;
-                        packed[o..o + 2].copy_from_slice(&(q as i16).to_le_bytes());
-                    }
-                    Format::Int8 => packed[at + p % 4] = q as i8 as u8,
-                }
-            }
-            col_sum[j] = sum as f32;
-        }
-        Self {
+        let mut layer = Self {
             format,
             n,
             k,
             groups,
-            packed,
-            scale,
-            col_sum,
+            packed: vec![0u8; blocks * groups * NR * 4 + AMX_SLACK],
+            scale: vec![0.0f32; blocks * NR],
+            col_sum: vec![0.0f32; blocks * NR],
             bias: bias.to_vec(),
             a_max,
+        };
+        for j in 0..n {
+            layer.write_row(j, &w[j * k..(j + 1) * k]);
+        }
+        layer
+    }
+
+    /// Quantises `row` into output channel `j`'s codes, scale and code sum.
+    fn write_row(&mut self, j: usize, row: &[f32]) {
+        let (w_max, _) = self.format.limits(self.k);
+        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let s = if amax > 0.0 { amax / w_max } else { 1.0 };
+        self.scale[j] = s;
+        let per = self.format.per_group();
+        let mut sum = 0i64;
+        for (p, v) in row.iter().enumerate() {
+            let q = (v / s).round().clamp(-w_max, w_max) as i32;
+            sum += i64::from(q);
+            let at = self.lane(j, p / per);
+            match self.format {
+                Format::Int16 => {
+                    let o = at + (p % 2) * 2;
+                    self.packed[o..o + 2].copy_from_slice(&(q as i16).to_le_bytes());
+                }
+                Format::Int8 => self.packed[at + p % 4] = q as i8 as u8,
+            }
+        }
+        self.col_sum[j] = sum as f32;
+    }
+
+    /// Where output channel `j`'s 4-byte group `g` sits in `packed`.
+    fn lane(&self, j: usize, g: usize) -> usize {
+        (j / NR) * self.groups * NR * 4 + g * NR * 4 + (j % NR) * 4
+    }
+
+    /// Replaces output channel `j`'s weights (`k` values) with `row`: the
+    /// layer is then the one [`QuantLinear::new`] builds from the changed
+    /// matrix, byte for byte. Row-wise changes are what an index over a
+    /// changing corpus needs ([`crate::ivf::IvfKernel`]'s int8 lists).
+    ///
+    /// # Panics
+    /// If `j` is out of range, `row` is not `k` long, or a value is not finite.
+    pub fn set_row(&mut self, j: usize, row: &[f32]) {
+        assert!(j < self.n, "output {j} of {}", self.n);
+        assert_eq!(row.len(), self.k, "row is not {} long", self.k);
+        assert!(row.iter().all(|v| v.is_finite()), "a weight is not finite");
+        self.write_row(j, row);
+    }
+
+    /// Appends an output channel with weights `row` and `bias`.
+    ///
+    /// # Panics
+    /// As [`QuantLinear::set_row`].
+    pub fn push_row(&mut self, row: &[f32], bias: f32) {
+        let j = self.n;
+        if j == self.scale.len() {
+            // A new block of zeros; the slack after it stays zero.
+            let block = self.groups * NR * 4;
+            self.packed.resize(self.packed.len() + block, 0);
+            self.scale.resize(self.scale.len() + NR, 0.0);
+            self.col_sum.resize(self.col_sum.len() + NR, 0.0);
+        }
+        self.n += 1;
+        self.bias.push(bias);
+        self.set_row(j, row);
+    }
+
+    /// Removes output channel `j`, moving the last one into its place (as
+    /// `Vec::swap_remove` does with the rows).
+    ///
+    /// # Panics
+    /// If `j` is out of range.
+    pub fn swap_remove_row(&mut self, j: usize) {
+        assert!(j < self.n, "output {j} of {}", self.n);
+        let last = self.n - 1;
+        for g in 0..self.groups {
+            let (from, to) = (self.lane(last, g), self.lane(j, g));
+            if from != to {
+                self.packed.copy_within(from..from + 4, to);
+            }
+            self.packed[from..from + 4].fill(0);
+        }
+        self.scale.swap(j, last);
+        self.col_sum.swap(j, last);
+        self.scale[last] = 0.0;
+        self.col_sum[last] = 0.0;
+        self.bias.swap_remove(j);
+        self.n = last;
+        let blocks = self.n.div_ceil(NR);
+        if blocks * NR < self.scale.len() {
+            // The dropped block is all zeros now, as the slack is.
+            self.packed
+                .truncate(blocks * self.groups * NR * 4 + AMX_SLACK);
+            self.scale.truncate(blocks * NR);
+            self.col_sum.truncate(blocks * NR);
         }
     }
 
@@ -776,4 +846,5 @@ mod amx_int8 {
 mod tests;
 
 mod search;
+pub(crate) use search::rescore_exactly;
 pub use search::{QuantKernel, SLACK};

@@ -1599,22 +1599,29 @@ pub fn relation_index(
     kernel: Arc<dyn SimilarityKernel>,
 ) -> Arc<dyn SimilarityKernel> {
     use crate::config::RelationIndex;
+    use steamrf_kernels::cuda::CpuPrecision;
     use steamrf_kernels::ivf::{IvfKernel, IvfKernelParams};
     let on_cpu = kernel.backend() == steamrf_kernels::Backend::Cpu;
     match steam.relation_index {
         RelationIndex::Exact => kernel,
         RelationIndex::Auto if !on_cpu => kernel,
         RelationIndex::Auto | RelationIndex::Ivf => {
+            // The lists are scored as the exhaustive CPU kernel scores
+            // (`steam.cpu_precision`; int8 needs VNNI, checked by the kernel).
+            let int8 = !matches!(steam.cpu_precision, CpuPrecision::F32)
+                && steamrf_kernels::quant::vnni_available();
             let params = IvfKernelParams {
                 lists: steam.ivf_lists,
                 probes: steam.ivf_probes,
                 min_rows: steam.ivf_min_memories,
+                int8_rescore: int8.then_some(steam.rescore),
                 ..IvfKernelParams::default()
             };
             tracing::info!(
                 lists = params.lists,
                 probes = params.probes,
                 min_memories = params.min_rows,
+                precision = if int8 { "int8" } else { "f32" },
                 "Relation extraction: IVF over the memories (exact below min_memories)."
             );
             Arc::new(IvfKernel::new(params, kernel))

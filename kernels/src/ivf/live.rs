@@ -21,17 +21,31 @@
 //!   exact kernel answers instead.
 //!
 //! A query scores the centroids, then its `probes` best lists. Queries that
-//! probe the same list share one pass over it: each list's rows are gathered
-//! into a tile once and multiplied with all of its queries (the exact
-//! kernel's GEMM and fused top-k), on the kernel's threads. Scores are exact
-//! f32 cosines, so `min_score` and the exclusion filter apply exactly; a true
-//! neighbour is missed only when it sits in a list the query did not probe.
-//! `steamrf bench communities --index ivf` measures that recall against the
-//! exact kernel on the same batches.
+//! probe the same list share one pass over it, on the kernel's threads, in
+//! one of two ways:
+//!
+//! - **f32**: the list's rows are gathered from the corpus into a tile and
+//!   multiplied with all of its queries (the exact kernel's GEMM and fused
+//!   top-k). Scores are exact f32 cosines.
+//! - **int8** (`IvfKernelParams::int8_rescore`, on AVX-512 VNNI or AMX-INT8):
+//!   each list also keeps its rows' int8 codes contiguously, in the layout
+//!   [`QuantLinear`] multiplies (a quarter of the f32 bytes, kept up to date
+//!   row by row as rows move between lists), so a list costs one int8 GEMM
+//!   and no gather. Each query keeps its best `k · rescore` candidates by
+//!   the int8 score (floor `min_score` less [`quant::SLACK`]), rescored
+//!   exactly against the f32 rows, as [`quant::QuantKernel`] does over the
+//!   whole corpus.
+//!
+//! Either way the hits carry exact f32 cosines, so `min_score` and the
+//! exclusion filter apply exactly; a true neighbour is missed when it sits in
+//! a list the query did not probe (or, in int8, falls out of the
+//! candidates). `steamrf bench communities --index ivf` measures that
+//! recall against the exact kernel on the same batches.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::cpu::{CpuKernel, scan_mapped, scores, search_blocks};
+use crate::quant::{self, Format, QuantLinear};
 use crate::{
     Backend, Corpus, Hit, Prepared, Result, SearchParams, SimilarityKernel, TopK, prepare_search,
 };
@@ -54,6 +68,10 @@ pub struct IvfKernelParams {
     pub train_per_list: usize,
     /// Lloyd iterations of the quantiser.
     pub iters: usize,
+    /// Score the lists in int8 and rescore this many candidates per hit
+    /// wanted exactly in f32 (see the module docs); `None`, or a CPU
+    /// without AVX-512 VNNI: f32.
+    pub int8_rescore: Option<usize>,
 }
 
 impl Default for IvfKernelParams {
@@ -65,6 +83,7 @@ impl Default for IvfKernelParams {
             retrain_after: 1.0,
             train_per_list: 32,
             iters: 8,
+            int8_rescore: None,
         }
     }
 }
@@ -84,6 +103,8 @@ pub struct IvfStats {
     pub assigned_since_training: usize,
     /// Trainings so far (the first build included).
     pub trainings: u64,
+    /// Bytes of the lists' int8 codes (0 when scoring in f32).
+    pub code_bytes: usize,
 }
 
 /// Where a row sits: (list, position in it).
@@ -94,18 +115,25 @@ struct Index {
     version: u64,
     centroids: Corpus,
     lists: Vec<Vec<u32>>,
+    /// Per list, its rows' int8 codes in list order (int8 scoring only).
+    codes: Option<Vec<QuantLinear>>,
     slot: Vec<(u32, u32)>,
     trained_rows: usize,
     assigned_since_training: usize,
 }
 
 impl Index {
-    fn place(&mut self, row: usize, list: u32) {
+    /// Puts `row` (whose vector is `v`, now) into `list`; its int8 codes
+    /// follow it, and are rewritten when it stays.
+    fn place(&mut self, row: usize, list: u32, v: &[f32]) {
         if self.slot.len() <= row {
             self.slot.resize(row + 1, UNASSIGNED);
         }
         let (old, pos) = self.slot[row];
         if old == list {
+            if let Some(codes) = &mut self.codes {
+                codes[list as usize].set_row(pos as usize, v);
+            }
             return;
         }
         if old != u32::MAX {
@@ -114,10 +142,21 @@ impl Index {
             if let Some(&moved) = members.get(pos as usize) {
                 self.slot[moved as usize].1 = pos;
             }
+            if let Some(codes) = &mut self.codes {
+                codes[old as usize].swap_remove_row(pos as usize);
+            }
         }
         let members = &mut self.lists[list as usize];
         self.slot[row] = (list, members.len() as u32);
         members.push(row as u32);
+        if let Some(codes) = &mut self.codes {
+            codes[list as usize].push_row(v, 0.0);
+        }
+    }
+
+    /// Bytes of the int8 codes.
+    fn code_bytes(&self) -> usize {
+        self.codes.iter().flatten().map(QuantLinear::bytes).sum()
     }
 }
 
@@ -171,6 +210,7 @@ impl IvfKernel {
             s.largest_list = ix.lists.iter().map(Vec::len).max().unwrap_or(0);
             s.trained_rows = ix.trained_rows;
             s.assigned_since_training = ix.assigned_since_training;
+            s.code_bytes = ix.code_bytes();
         }
         s
     }
@@ -180,6 +220,15 @@ impl IvfKernel {
             threads: self.threads,
             ..CpuKernel::default()
         }
+    }
+
+    /// Candidates rescored per hit when the lists are scored in int8 (on
+    /// this CPU).
+    fn int8_rescore(&self) -> Option<usize> {
+        self.params
+            .int8_rescore
+            .filter(|_| quant::vnni_available())
+            .map(|r| r.max(1))
     }
 
     /// Trains the quantiser on `corpus` and assigns every row.
@@ -198,6 +247,7 @@ impl IvfKernel {
             uid: corpus.uid(),
             version: corpus.version(),
             lists: vec![Vec::new(); centroids.len()],
+            codes: None,
             centroids,
             slot: Vec::with_capacity(n),
             trained_rows: n,
@@ -207,7 +257,24 @@ impl IvfKernel {
             .into_iter()
             .enumerate()
         {
-            ix.place(row, list);
+            ix.place(row, list, corpus.row(row));
+        }
+        if self.int8_rescore().is_some() {
+            let dim = corpus.dim();
+            let mut rows = Vec::new();
+            ix.codes = Some(
+                ix.lists
+                    .iter()
+                    .map(|members| {
+                        rows.clear();
+                        for &r in members {
+                            rows.extend_from_slice(corpus.row(r as usize));
+                        }
+                        let n = members.len();
+                        QuantLinear::new(Format::Int8, &rows, &vec![0.0; n], n, dim)
+                    })
+                    .collect(),
+            );
         }
         self.trainings
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -257,7 +324,7 @@ impl IvfKernel {
             }
             let nearest = self.cpu().top_k(&q, &ix.centroids, &SearchParams::top(1))?;
             for (&row, hits) in rows.iter().zip(nearest) {
-                ix.place(row, hits.first().map_or(0, |h| h.index));
+                ix.place(row, hits.first().map_or(0, |h| h.index), corpus.row(row));
             }
             ix.assigned_since_training += rows.len();
         }
@@ -315,6 +382,11 @@ impl SimilarityKernel for IvfKernel {
         let query_block = self.query_block.max(1);
         let widest = work.iter().map(|&l| by_list[l].len()).max().unwrap_or(0);
         let qb = query_block.min(widest);
+        if let (Some(codes), Some(rescore)) = (&ix.codes, self.int8_rescore()) {
+            return Ok(self.search_int8(
+                corpus, &q, params, rescore, &work, &by_list, &ix.lists, codes, qb, longest,
+            ));
+        }
         let scratch = longest * dim + qb * dim + qb * longest;
         let heaps = search_blocks(
             self.threads,
@@ -354,6 +426,56 @@ impl SimilarityKernel for IvfKernel {
             },
         );
         Ok(heaps.into_iter().map(TopK::into_sorted).collect())
+    }
+}
+
+impl IvfKernel {
+    /// The int8 pass over the probed lists, then exact rescoring (see the
+    /// module docs).
+    #[allow(clippy::too_many_arguments)]
+    fn search_int8(
+        &self,
+        corpus: &Corpus,
+        q: &[f32],
+        params: &SearchParams<'_>,
+        rescore: usize,
+        work: &[usize],
+        by_list: &[Vec<u32>],
+        lists: &[Vec<u32>],
+        codes: &[QuantLinear],
+        qb: usize,
+        longest: usize,
+    ) -> Vec<Vec<Hit>> {
+        let dim = corpus.dim();
+        let m = q.len() / dim;
+        let floor = params.min_score - quant::SLACK;
+        let candidates = params.k.saturating_mul(rescore);
+        let heaps = search_blocks(
+            self.threads,
+            work.len(),
+            m,
+            candidates,
+            qb * dim + qb * longest,
+            |b, scratch, heaps| {
+                let list = work[b];
+                let rows = &lists[list];
+                let (lhs, out) = scratch.split_at_mut(qb * dim);
+                for chunk in by_list[list].chunks(qb) {
+                    let qs = chunk.len();
+                    for (dst, &qi) in lhs.chunks_exact_mut(dim).zip(chunk) {
+                        let qi = qi as usize;
+                        dst.copy_from_slice(&q[qi * dim..(qi + 1) * dim]);
+                    }
+                    let out = &mut out[..qs * rows.len()];
+                    codes[list].forward(out, &lhs[..qs * dim], qs);
+                    for (s, &qi) in out.chunks_exact(rows.len()).zip(chunk) {
+                        let qi = qi as usize;
+                        scan_mapped(&mut heaps[qi], s, |j| rows[j] as usize, qi, floor, params);
+                    }
+                }
+            },
+        );
+        quant::rescore_exactly(q, corpus, heaps, params)
     }
 }
 

@@ -182,26 +182,37 @@ impl SimilarityKernel for QuantKernel {
                 }
             },
         );
-        // Exact scores decide the order and the floor.
-        Ok(merged
-            .into_iter()
-            .enumerate()
-            .map(|(qi, heap)| {
-                let query = &q[qi * dim..(qi + 1) * dim];
-                let mut exact = TopK::new(params.k);
-                for hit in heap.into_sorted() {
-                    let score = dot(query, corpus.row(hit.index as usize));
-                    if score >= params.min_score {
-                        exact.push(Hit {
-                            index: hit.index,
-                            score,
-                        });
-                    }
-                }
-                exact.into_sorted()
-            })
-            .collect())
+        Ok(rescore_exactly(&q, corpus, merged, params))
     }
+}
+
+/// Each query's candidates (`heaps`, by query) scored again exactly against
+/// the f32 rows: the exact scores decide the top-k and the floor.
+pub(crate) fn rescore_exactly(
+    q: &[f32],
+    corpus: &Corpus,
+    heaps: Vec<TopK>,
+    params: &SearchParams<'_>,
+) -> Vec<Vec<Hit>> {
+    let dim = corpus.dim();
+    heaps
+        .into_iter()
+        .enumerate()
+        .map(|(qi, heap)| {
+            let query = &q[qi * dim..(qi + 1) * dim];
+            let mut exact = TopK::new(params.k);
+            for hit in heap.into_sorted() {
+                let score = dot(query, corpus.row(hit.index as usize));
+                if score >= params.min_score {
+                    exact.push(Hit {
+                        index: hit.index,
+                        score,
+                    });
+                }
+            }
+            exact.into_sorted()
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -182,3 +182,72 @@ fn timing() {
         eprintln!("{line}");
     }
 }
+
+#[derive(Debug, Clone)]
+enum RowOp {
+    Push(u64),
+    Set(usize, u64),
+    SwapRemove(usize),
+}
+
+fn row_op() -> impl Strategy<Value = RowOp> {
+    prop_oneof![
+        3 => (0u64..1000).prop_map(RowOp::Push),
+        1 => (0usize..1000, 0u64..1000).prop_map(|(j, s)| RowOp::Set(j, s)),
+        2 => (0usize..1000).prop_map(RowOp::SwapRemove),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A layer edited row by row (appends across block boundaries, swap
+    /// removals that drop a block, replacements) is byte for byte the layer
+    /// built from the edited matrix, and computes the same outputs on the
+    /// machine's fastest path.
+    #[test]
+    fn row_edits_equal_a_layer_built_from_the_result(
+        k in 1usize..40,
+        start in 0usize..60,
+        ops in prop::collection::vec(row_op(), 1..80),
+    ) {
+        for format in both() {
+            let mut rows: Vec<Vec<f32>> = (0..start).map(|j| values(k, j as u64)).collect();
+            let flat = |rows: &[Vec<f32>]| rows.concat();
+            let mut layer = QuantLinear::new(format, &flat(&rows), &vec![0.5; start], start, k);
+            for op in &ops {
+                match *op {
+                    RowOp::Push(seed) => {
+                        rows.push(values(k, seed));
+                        layer.push_row(rows.last().unwrap(), 0.5);
+                    }
+                    RowOp::Set(j, seed) if !rows.is_empty() => {
+                        let j = j % rows.len();
+                        rows[j] = values(k, seed + 7);
+                        layer.set_row(j, &rows[j]);
+                    }
+                    RowOp::SwapRemove(j) if !rows.is_empty() => {
+                        let j = j % rows.len();
+                        rows.swap_remove(j);
+                        layer.swap_remove_row(j);
+                    }
+                    _ => {}
+                }
+                let n = rows.len();
+                let built = QuantLinear::new(format, &flat(&rows), &vec![0.5; n], n, k);
+                prop_assert_eq!(layer.outputs(), n);
+                prop_assert!(layer.packed == built.packed);
+                prop_assert_eq!(&layer.scale, &built.scale);
+                prop_assert_eq!(&layer.col_sum, &built.col_sum);
+                prop_assert_eq!(&layer.bias, &built.bias);
+            }
+            let n = rows.len();
+            let built = QuantLinear::new(format, &flat(&rows), &vec![0.5; n], n, k);
+            let x = values(5 * k, 3);
+            let (mut a, mut b) = (vec![0.0; 5 * n], vec![0.0; 5 * n]);
+            layer.forward(&mut a, &x, 5);
+            built.forward(&mut b, &x, 5);
+            prop_assert_eq!(a, b);
+        }
+    }
+}

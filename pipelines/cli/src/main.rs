@@ -385,10 +385,11 @@ enum BenchCmd {
         /// Embedding dimension.
         #[arg(long, default_value_t = 384)]
         dim: usize,
-        /// The CPU kernel's scoring (`steam.cpu_precision`) where the search
-        /// is exhaustive; `int8` also runs the exact f32 writer on the same
-        /// batches.
-        #[arg(long, default_value = "f32", value_parser = ["f32", "int8"])]
+        /// The CPU kernel's scoring (`steam.cpu_precision`), exhaustive or
+        /// over the IVF's lists; `auto` (the default's): int8 where the CPU
+        /// has AVX-512 VNNI. `int8` also runs the exact f32 writer on the
+        /// same batches.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "int8"])]
         precision: String,
         /// Relation extraction (`steam.relation_index`): `ivf` also runs the
         /// exact f32 writer on the same batches (link recall, community agreement).
@@ -909,7 +910,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 batches,
                 full_recompute,
                 dim,
-                int8: precision == "int8",
+                int8: bench::int8_scoring(&precision),
                 ivf: index == "ivf",
                 probes,
                 max_community,

@@ -20,7 +20,7 @@ mod similarity;
 mod soak;
 mod texts;
 
-pub use communities::{CommunitiesBench, communities};
+pub use communities::{CommunitiesBench, communities, int8_scoring};
 pub use decode::{DecodeBench, decode_bench};
 pub use embedding::{EmbedBench, embed, embed_file};
 pub use hammer::{HammerBench, hammer};

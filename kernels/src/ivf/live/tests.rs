@@ -160,3 +160,97 @@ fn retrains_after_as_many_assignments_as_it_trained_on() {
     assert_eq!(k.stats().trainings, 3);
     assert_consistent(&k, 400);
 }
+
+/// With int8 lists: the lists' codes follow every row as it is added,
+/// changed and moved between lists (byte for byte the layer built from the
+/// list's rows now), and the hits are exact cosines that respect the floor
+/// and the filter, with recall close to the f32 lists'.
+#[test]
+fn int8_lists_follow_the_rows_and_rescore_exactly() {
+    if !quant::vnni_available() {
+        eprintln!("int8 IVF lists: skipped, this CPU lacks AVX-512 VNNI");
+        return;
+    }
+    eprintln!("int8 IVF lists on {}", quant::int8_unit());
+    let dim = 32;
+    let n = 4000;
+    let rows = clustered(n + 400, 40, dim, 7);
+    let mut corpus = Corpus::from_rows(&rows[..n * dim], dim).unwrap();
+    let p = params(100, 0, 6);
+    let k8 = ivf(IvfKernelParams {
+        int8_rescore: Some(4),
+        ..p
+    });
+    let k32 = ivf(p);
+    let exclude = |q: usize, c: usize| q / 10 == c / 10;
+    let sp = SearchParams {
+        k: 3,
+        min_score: 0.3,
+        exclude: Some(&exclude),
+    };
+    let queries = &rows[..200 * dim];
+    let normalised = Corpus::from_rows(queries, dim).unwrap();
+    let check = |k8: &IvfKernel, corpus: &Corpus| {
+        let got = k8.top_k(queries, corpus, &sp).unwrap();
+        let f32_hits = k32.top_k(queries, corpus, &sp).unwrap();
+        let (mut same, mut total) = (0, 0);
+        for (qi, (g, w)) in got.iter().zip(&f32_hits).enumerate() {
+            for h in g {
+                assert!(!exclude(qi, h.index as usize));
+                assert!(h.score >= 0.3);
+                let exact = crate::dot(normalised.row(qi), corpus.row(h.index as usize));
+                assert_eq!(h.score, exact);
+            }
+            total += w.len();
+            same += ids(g).iter().filter(|i| ids(w).contains(i)).count();
+        }
+        let agree = same as f64 / total as f64;
+        assert!(
+            agree >= 0.98,
+            "int8 lists found {agree} of the f32 lists' hits"
+        );
+        // Each list's codes are the layer built from its rows.
+        let guard = k8.index.lock().unwrap();
+        let ix = guard.as_ref().unwrap();
+        let codes = ix.codes.as_ref().expect("int8 lists");
+        for (members, layer) in ix.lists.iter().zip(codes) {
+            let flat: Vec<f32> = members
+                .iter()
+                .flat_map(|&r| corpus.row(r as usize).to_vec())
+                .collect();
+            let built = QuantLinear::new(
+                Format::Int8,
+                &flat,
+                &vec![0.0; members.len()],
+                members.len(),
+                dim,
+            );
+            assert_eq!(layer.outputs(), members.len());
+            let x = &rows[..2 * dim];
+            let (mut a, mut b) = (vec![0.0; 2 * members.len()], vec![0.0; 2 * members.len()]);
+            layer.forward(&mut a, x, 2);
+            built.forward(&mut b, x, 2);
+            assert_eq!(a, b);
+        }
+    };
+    check(&k8, &corpus);
+    // New rows, and old rows moved elsewhere (into other lists, mostly).
+    corpus.push_rows(&rows[n * dim..]).unwrap();
+    for r in (0..n).step_by(37) {
+        let other = &rows[((r * 13) % n) * dim..((r * 13) % n + 1) * dim];
+        corpus.set_row(r, other).unwrap();
+    }
+    check(&k8, &corpus);
+    let stats = k8.stats();
+    assert_eq!(stats.trainings, 1);
+    // A byte per value, 12 per row (scale, code sum, bias), and per list at
+    // most one partly filled block of 48 rows and the AMX slack.
+    let rows_bytes = (n + 400) * (dim + 12);
+    let per_list = quant::NR * (dim + 12) + 15 * quant::NR * 4;
+    assert!(stats.code_bytes >= (n + 400) * dim);
+    assert!(
+        stats.code_bytes <= rows_bytes + stats.lists * per_list,
+        "{stats:?}"
+    );
+    assert_consistent(&k8, n + 400);
+}

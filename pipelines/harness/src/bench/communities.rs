@@ -32,8 +32,8 @@ pub struct CommunitiesBench {
     pub full_recompute: bool,
     /// Embedding dimension.
     pub dim: usize,
-    /// Score with the int8 kernel (exact rescoring) where the search is
-    /// exhaustive.
+    /// Score in int8 with exact rescoring (`steam.cpu_precision = "int8"`):
+    /// the exhaustive kernel, and the IVF's lists.
     pub int8: bool,
     /// Relation extraction through the IVF (`steam.relation_index = "ivf"`).
     pub ivf: bool,
@@ -50,6 +50,15 @@ pub struct CommunitiesBench {
     /// neighbouring texts instead of synthetic topics.
     pub texts: Option<Vec<f32>>,
 }
+
+/// Whether `--precision` scores in int8: `int8`, or `auto` where the CPU
+/// has AVX-512 VNNI (as `steam.cpu_precision = "auto"` does).
+pub fn int8_scoring(precision: &str) -> bool {
+    precision == "int8" || (precision == "auto" && steamrf_kernels::quant::vnni_available())
+}
+
+/// `steam.rescore`'s default.
+const RESCORE: usize = 4;
 
 fn internal(e: steamrf_kernels::Error) -> Error {
     Error::Internal {
@@ -151,7 +160,9 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let mut kernels: Vec<Arc<dyn SimilarityKernel>> = Vec::new();
     for _ in 0..writers {
         let base: Arc<dyn SimilarityKernel> = if b.int8 {
-            Arc::new(steamrf_kernels::quant::QuantKernel::new(threads).map_err(internal)?)
+            let mut k = steamrf_kernels::quant::QuantKernel::new(RESCORE).map_err(internal)?;
+            k.threads = threads;
+            Arc::new(k)
         } else {
             Arc::new(CpuKernel {
                 threads,
@@ -160,6 +171,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         };
         let ivf_params = IvfKernelParams {
             probes: b.probes,
+            int8_rescore: b.int8.then_some(RESCORE),
             ..IvfKernelParams::default()
         };
         kernels.push(if b.ivf {
