@@ -29,7 +29,8 @@ use cudarc::driver::{
 use crate::cpu::CpuKernel;
 use crate::topk::TopK;
 use crate::{
-    Backend, Corpus, Error, Hit, Prepared, Result, SearchParams, SimilarityKernel, prepare_search,
+    Backend, Corpus, Error, Hit, PerCorpus, Prepared, Result, SearchParams, SimilarityKernel,
+    prepare_search,
 };
 
 /// The top-k kernel's source.
@@ -146,7 +147,9 @@ pub struct CudaKernel {
     topk_f32: CudaFunction,
     topk_f16: CudaFunction,
     to_f16: CudaFunction,
-    device: Mutex<Option<DeviceCorpus>>,
+    /// The device copy of each corpus searched (one per tenant where
+    /// relation extraction partitions by tenant), freed with its corpus.
+    device: Mutex<PerCorpus<DeviceCorpus>>,
     /// Corpus rows per GEMM.
     pub block_rows: usize,
     /// Storage precision.
@@ -192,7 +195,7 @@ impl CudaKernel {
             topk_f16: f("topk_f16")?,
             to_f16: f("to_f16")?,
             stream,
-            device: Mutex::new(None),
+            device: Mutex::default(),
             block_rows: 65_536,
             precision,
             name,
@@ -237,12 +240,13 @@ impl CudaKernel {
             .map_err(|_| unavailable("poisoned device state"))?;
         let dim = corpus.dim();
         let rows = corpus.len();
-        let reuse = guard.as_ref().and_then(|d| {
+        let mut slot = guard.take(corpus);
+        let reuse = slot.as_ref().and_then(|d| {
             (d.uid == corpus.uid() && rows <= d.capacity)
                 .then(|| corpus.changed_since(d.version))
                 .flatten()
         });
-        match (guard.as_mut(), reuse) {
+        match (slot.as_mut(), reuse) {
             (Some(d), Some(ranges)) => {
                 if !ranges.is_empty() {
                     // The half-precision copy is rebuilt from the updated rows.
@@ -273,7 +277,7 @@ impl CudaKernel {
                         .memcpy_htod(corpus.as_slice(), &mut view)
                         .map_err(driver)?;
                 }
-                *guard = Some(DeviceCorpus {
+                slot = Some(DeviceCorpus {
                     uid: corpus.uid(),
                     version: corpus.version(),
                     rows,
@@ -283,13 +287,13 @@ impl CudaKernel {
                 });
             }
         }
-        let d = guard
-            .as_mut()
-            .ok_or_else(|| unavailable("no device corpus"))?;
+        let mut d = slot.ok_or_else(|| unavailable("no device corpus"))?;
         if self.precision == Precision::F16 && d.f16.is_none() {
             d.f16 = Some(self.f16_of(&d.f32, d.rows * dim)?);
         }
-        f(d)
+        let out = f(&d);
+        guard.put(corpus, d);
+        out
     }
 
     /// Runs the top-k kernel `func` over one block's `scores` (nq rows of n),

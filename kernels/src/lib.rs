@@ -152,6 +152,48 @@ pub struct Corpus {
     version: u64,
     /// (version after the change, first row, end row), oldest first.
     changes: std::collections::VecDeque<(u64, usize, usize)>,
+    /// Dropped with the corpus: what kernels derived from it (an index, an
+    /// int8 or device copy) goes then too ([`PerCorpus`]).
+    alive: std::sync::Arc<()>,
+}
+
+/// What a kernel derives from each corpus it searches (an index, an int8 or
+/// device copy), by corpus, kept while the corpus lives: a corpus per tenant
+/// gets its own, and a dropped corpus's is freed at the next call.
+pub(crate) struct PerCorpus<T> {
+    entries: std::collections::HashMap<u64, (std::sync::Weak<()>, T)>,
+}
+
+impl<T> Default for PerCorpus<T> {
+    fn default() -> Self {
+        Self {
+            entries: Default::default(),
+        }
+    }
+}
+
+impl<T> PerCorpus<T> {
+    /// Takes `corpus`'s state out (to bring it up to date and use it; put
+    /// it back with [`PerCorpus::put`]), first dropping the states of the
+    /// corpora that are gone.
+    pub(crate) fn take(&mut self, corpus: &Corpus) -> Option<T> {
+        self.entries
+            .retain(|_, (alive, _)| alive.strong_count() > 0);
+        self.entries.remove(&corpus.uid).map(|(_, t)| t)
+    }
+
+    /// Keeps `state` for `corpus`.
+    pub(crate) fn put(&mut self, corpus: &Corpus, state: T) {
+        self.entries.insert(
+            corpus.uid,
+            (std::sync::Arc::downgrade(&corpus.alive), state),
+        );
+    }
+
+    /// Every corpus's state.
+    pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
+        self.entries.values().map(|(_, t)| t)
+    }
 }
 
 /// Changes remembered per corpus; a device copy older than that is re-uploaded whole.
@@ -171,6 +213,7 @@ impl Clone for Corpus {
             uid: next_uid(),
             version: 0,
             changes: Default::default(),
+            alive: Default::default(),
         }
     }
 }
@@ -219,6 +262,7 @@ impl Corpus {
             uid: next_uid(),
             version: 0,
             changes: Default::default(),
+            alive: Default::default(),
         }
     }
 

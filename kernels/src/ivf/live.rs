@@ -47,7 +47,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::cpu::{CpuKernel, scan_mapped, scores, search_blocks};
 use crate::quant::{self, Format, QuantLinear};
 use crate::{
-    Backend, Corpus, Hit, Prepared, Result, SearchParams, SimilarityKernel, TopK, prepare_search,
+    Backend, Corpus, Hit, PerCorpus, Prepared, Result, SearchParams, SimilarityKernel, TopK,
+    prepare_search,
 };
 
 use super::{assign, lists_for, train};
@@ -161,7 +162,7 @@ impl Index {
 }
 
 /// Approximate top-k by an inverted file kept up to date with the corpus
-/// (see the module docs). One corpus at a time: searching another rebuilds.
+/// (see the module docs), one per corpus searched (kept while the corpus lives).
 pub struct IvfKernel {
     /// Index and search parameters.
     pub params: IvfKernelParams,
@@ -170,7 +171,7 @@ pub struct IvfKernel {
     /// Queries per list multiply.
     pub query_block: usize,
     exact: Arc<dyn SimilarityKernel>,
-    index: Mutex<Option<Index>>,
+    index: Mutex<PerCorpus<Index>>,
     trainings: std::sync::atomic::AtomicU64,
 }
 
@@ -192,25 +193,29 @@ impl IvfKernel {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             query_block: 256,
             exact,
-            index: Mutex::new(None),
+            index: Mutex::default(),
             trainings: Default::default(),
         }
     }
 
-    /// The index's current shape.
+    /// The indexes' current shape, summed over the corpora indexed (one
+    /// per tenant where relation extraction partitions by tenant; the
+    /// largest list is the largest of all).
     pub fn stats(&self) -> IvfStats {
         let guard = self.index.lock().unwrap_or_else(PoisonError::into_inner);
         let mut s = IvfStats {
             trainings: self.trainings.load(std::sync::atomic::Ordering::Relaxed),
             ..IvfStats::default()
         };
-        if let Some(ix) = guard.as_ref() {
-            s.rows = ix.lists.iter().map(Vec::len).sum();
-            s.lists = ix.lists.len();
-            s.largest_list = ix.lists.iter().map(Vec::len).max().unwrap_or(0);
-            s.trained_rows = ix.trained_rows;
-            s.assigned_since_training = ix.assigned_since_training;
-            s.code_bytes = ix.code_bytes();
+        for ix in guard.values() {
+            s.rows += ix.lists.iter().map(Vec::len).sum::<usize>();
+            s.lists += ix.lists.len();
+            s.largest_list = s
+                .largest_list
+                .max(ix.lists.iter().map(Vec::len).max().unwrap_or(0));
+            s.trained_rows += ix.trained_rows;
+            s.assigned_since_training += ix.assigned_since_training;
+            s.code_bytes += ix.code_bytes();
         }
         s
     }
@@ -282,9 +287,9 @@ impl IvfKernel {
         Ok(ix)
     }
 
-    /// The index of `corpus`, brought up to date from its change log, or
-    /// rebuilt (another corpus, the log no longer reaching back, or the
-    /// retraining rule).
+    /// The index of `corpus` (`slot`, none at first), brought up to date
+    /// from its change log, or rebuilt (the log no longer reaching back, or
+    /// the retraining rule).
     fn refresh(&self, slot: &mut Option<Index>, corpus: &Corpus) -> Result<()> {
         let changed = slot
             .as_ref()
@@ -352,21 +357,37 @@ impl SimilarityKernel for IvfKernel {
             Prepared::Search(q) => q,
             Prepared::Answered(hits) => return Ok(hits),
         };
-        let dim = corpus.dim();
-        let m = q.len() / dim;
         let mut guard = self.index.lock().unwrap_or_else(PoisonError::into_inner);
-        self.refresh(&mut guard, corpus)?;
-        let Some(ix) = guard.as_ref() else {
+        let mut slot = guard.take(corpus);
+        self.refresh(&mut slot, corpus)?;
+        let Some(ix) = slot else {
             unreachable!("refresh leaves an index");
         };
+        let found = self.search(&ix, queries, &q, corpus, params);
+        guard.put(corpus, ix);
+        found
+    }
+}
+
+impl IvfKernel {
+    /// `q` (the prepared `queries`) over `ix`, the index of `corpus`.
+    fn search(
+        &self,
+        ix: &Index,
+        queries: &[f32],
+        q: &[f32],
+        corpus: &Corpus,
+        params: &SearchParams<'_>,
+    ) -> Result<Vec<Vec<Hit>>> {
+        let dim = corpus.dim();
+        let m = q.len() / dim;
         let probes = self.params.probes.max(1);
         if probes >= ix.lists.len() {
-            drop(guard);
             return self.exact.top_k(queries, corpus, params);
         }
         let nearest = self
             .cpu()
-            .top_k(&q, &ix.centroids, &SearchParams::top(probes))?;
+            .top_k(q, &ix.centroids, &SearchParams::top(probes))?;
         let mut by_list: Vec<Vec<u32>> = vec![Vec::new(); ix.lists.len()];
         for (qi, hits) in nearest.iter().enumerate() {
             for h in hits {
@@ -384,7 +405,7 @@ impl SimilarityKernel for IvfKernel {
         let qb = query_block.min(widest);
         if let (Some(codes), Some(rescore)) = (&ix.codes, self.int8_rescore()) {
             return Ok(self.search_int8(
-                corpus, &q, params, rescore, &work, &by_list, &ix.lists, codes, qb, longest,
+                corpus, q, params, rescore, &work, &by_list, &ix.lists, codes, qb, longest,
             ));
         }
         let scratch = longest * dim + qb * dim + qb * longest;
@@ -403,33 +424,25 @@ impl SimilarityKernel for IvfKernel {
                 for (dst, &r) in tile.chunks_exact_mut(dim).zip(rows) {
                     dst.copy_from_slice(corpus.row(r as usize));
                 }
-                for chunk in by_list[list].chunks(qb) {
-                    let qs = chunk.len();
-                    for (dst, &qi) in lhs.chunks_exact_mut(dim).zip(chunk) {
-                        let qi = qi as usize;
-                        dst.copy_from_slice(&q[qi * dim..(qi + 1) * dim]);
-                    }
-                    let out = &mut out[..qs * rows.len()];
-                    scores(out, &lhs[..qs * dim], tile, qs, rows.len(), dim);
-                    for (s, &qi) in out.chunks_exact(rows.len()).zip(chunk) {
-                        let qi = qi as usize;
-                        scan_mapped(
-                            &mut heaps[qi],
-                            s,
-                            |j| rows[j] as usize,
-                            qi,
-                            params.min_score,
-                            params,
-                        );
-                    }
-                }
+                let n = rows.len();
+                in_chunks(
+                    q,
+                    dim,
+                    &by_list[list],
+                    qb,
+                    n,
+                    (lhs, out),
+                    |out, lhs, qs| scores(out, lhs, tile, qs, n, dim),
+                    |s, qi| {
+                        let row = |j: usize| rows[j] as usize;
+                        scan_mapped(&mut heaps[qi], s, row, qi, params.min_score, params);
+                    },
+                );
             },
         );
         Ok(heaps.into_iter().map(TopK::into_sorted).collect())
     }
-}
 
-impl IvfKernel {
     /// The int8 pass over the probed lists, then exact rescoring (see the
     /// module docs).
     #[allow(clippy::too_many_arguments)]
@@ -460,22 +473,47 @@ impl IvfKernel {
                 let list = work[b];
                 let rows = &lists[list];
                 let (lhs, out) = scratch.split_at_mut(qb * dim);
-                for chunk in by_list[list].chunks(qb) {
-                    let qs = chunk.len();
-                    for (dst, &qi) in lhs.chunks_exact_mut(dim).zip(chunk) {
-                        let qi = qi as usize;
-                        dst.copy_from_slice(&q[qi * dim..(qi + 1) * dim]);
-                    }
-                    let out = &mut out[..qs * rows.len()];
-                    codes[list].forward(out, &lhs[..qs * dim], qs);
-                    for (s, &qi) in out.chunks_exact(rows.len()).zip(chunk) {
-                        let qi = qi as usize;
-                        scan_mapped(&mut heaps[qi], s, |j| rows[j] as usize, qi, floor, params);
-                    }
-                }
+                in_chunks(
+                    q,
+                    dim,
+                    &by_list[list],
+                    qb,
+                    rows.len(),
+                    (lhs, out),
+                    |out, lhs, qs| codes[list].forward(out, lhs, qs),
+                    |s, qi| scan_mapped(&mut heaps[qi], s, |j| rows[j] as usize, qi, floor, params),
+                );
             },
         );
         quant::rescore_exactly(q, corpus, heaps, params)
+    }
+}
+
+/// One list's pass: `queries` (indices into `q`) in chunks of `qb`, each
+/// chunk's rows of `q` gathered into `lhs`, `score(out, lhs, chunk)` writing
+/// `chunk × n` scores, then `visit(scores, query)` for each query's row.
+#[allow(clippy::too_many_arguments)]
+fn in_chunks(
+    q: &[f32],
+    dim: usize,
+    queries: &[u32],
+    qb: usize,
+    n: usize,
+    (lhs, out): (&mut [f32], &mut [f32]),
+    mut score: impl FnMut(&mut [f32], &[f32], usize),
+    mut visit: impl FnMut(&[f32], usize),
+) {
+    for chunk in queries.chunks(qb) {
+        let qs = chunk.len();
+        for (dst, &qi) in lhs.chunks_exact_mut(dim).zip(chunk) {
+            let qi = qi as usize;
+            dst.copy_from_slice(&q[qi * dim..(qi + 1) * dim]);
+        }
+        let out = &mut out[..qs * n];
+        score(out, &lhs[..qs * dim], qs);
+        for (s, &qi) in out.chunks_exact(n).zip(chunk) {
+            visit(s, qi as usize);
+        }
     }
 }
 

@@ -1,12 +1,15 @@
 //! Relation extraction (STEAM §3.2.2): each new or changed memory links to
 //! its global top-k1 most similar memories *of other users* with cosine ≥ τ,
-//! found in one batch call to the similarity kernel.
+//! found in one batch call to the similarity kernel per tenant.
 //!
-//! [`MemoryIndex`] is the shared embedding space: one row per memory, updated
-//! in place when a memory changes, tombstoned when one is deleted (rows are
-//! reused by later memories).
+//! [`MemoryIndex`] is the shared embedding space, one [`Corpus`] per tenant
+//! (links never cross tenants, so a tenant's memories are searched apart:
+//! an approximate index then probes only lists of that tenant, and a small
+//! tenant is searched exactly). One row per memory, updated in place when a
+//! memory changes, tombstoned when one is deleted (rows are reused by later
+//! memories).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
 
@@ -15,17 +18,71 @@ use super::MemoryId;
 /// Every memory's embedding and owner, for global search.
 #[derive(Debug, Clone)]
 pub struct MemoryIndex {
-    corpus: Corpus,
-    ids: Vec<MemoryId>,
-    owners: Vec<u32>,
-    live: Vec<bool>,
-    row_of: HashMap<MemoryId, usize>,
-    free: Vec<usize>,
+    dim: usize,
+    /// By tenant id.
+    parts: Vec<Part>,
+    /// (tenant, row) of each memory.
+    row_of: HashMap<MemoryId, (u32, usize)>,
     user_ids: HashMap<String, u32>,
     /// Tenant of each owner (indexed by owner id).
     owner_tenant: Vec<u32>,
     tenant_ids: HashMap<String, u32>,
     tenant_separator: Option<char>,
+}
+
+/// One tenant's memories.
+#[derive(Debug, Clone)]
+struct Part {
+    corpus: Corpus,
+    ids: Vec<MemoryId>,
+    owners: Vec<u32>,
+    live: Vec<bool>,
+    free: Vec<usize>,
+}
+
+impl Part {
+    fn new(dim: usize) -> Self {
+        Self {
+            corpus: Corpus::new(dim),
+            ids: Vec::new(),
+            owners: Vec::new(),
+            live: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+
+    /// Puts memory `id` of `owner` in a free row or a new one; its row.
+    fn insert(
+        &mut self,
+        id: MemoryId,
+        owner: u32,
+        embedding: &[f32],
+    ) -> steamrf_kernels::Result<usize> {
+        match self.free.pop() {
+            Some(row) => {
+                if let Err(e) = self.corpus.set_row(row, embedding) {
+                    self.free.push(row);
+                    return Err(e);
+                }
+                self.ids[row] = id;
+                self.owners[row] = owner;
+                self.live[row] = true;
+                Ok(row)
+            }
+            None => {
+                self.corpus.push_rows(embedding)?;
+                self.ids.push(id);
+                self.owners.push(owner);
+                self.live.push(true);
+                Ok(self.ids.len() - 1)
+            }
+        }
+    }
+
+    fn remove(&mut self, row: usize) {
+        self.live[row] = false;
+        self.free.push(row);
+    }
 }
 
 pub use steamrf_schemas::tenancy::tenant_of;
@@ -45,12 +102,9 @@ impl MemoryIndex {
     /// An empty index of `dim`-dimensional embeddings.
     pub fn new(dim: usize) -> Self {
         Self {
-            corpus: Corpus::new(dim),
-            ids: Vec::new(),
-            owners: Vec::new(),
-            live: Vec::new(),
+            dim,
+            parts: Vec::new(),
             row_of: HashMap::new(),
-            free: Vec::new(),
             user_ids: HashMap::new(),
             owner_tenant: Vec::new(),
             tenant_ids: HashMap::new(),
@@ -66,7 +120,7 @@ impl MemoryIndex {
 
     /// The embeddings' dimension.
     pub fn dim(&self) -> usize {
-        self.corpus.dim()
+        self.dim
     }
 
     /// Live memories.
@@ -77,6 +131,11 @@ impl MemoryIndex {
     /// Whether there are no live memories.
     pub fn is_empty(&self) -> bool {
         self.row_of.is_empty()
+    }
+
+    /// Tenants with a corpus of their own.
+    pub fn tenants(&self) -> usize {
+        self.parts.len()
     }
 
     /// Inserts or replaces memory `id` of `user`.
@@ -97,48 +156,41 @@ impl MemoryIndex {
                 let tenant = tenant_of(user, self.tenant_separator);
                 let next = self.tenant_ids.len() as u32;
                 let t = *self.tenant_ids.entry(tenant.to_owned()).or_insert(next);
+                if t as usize == self.parts.len() {
+                    self.parts.push(Part::new(self.dim));
+                }
                 self.owner_tenant.push(t);
                 o
             }
         };
-        if let Some(&row) = self.row_of.get(&id) {
-            self.corpus.set_row(row, embedding)?;
-            self.owners[row] = owner;
-            return Ok(());
+        let tenant = self.owner_tenant[owner as usize];
+        if let Some(&(t, row)) = self.row_of.get(&id) {
+            let part = &mut self.parts[t as usize];
+            if t == tenant {
+                part.corpus.set_row(row, embedding)?;
+                part.owners[row] = owner;
+                return Ok(());
+            }
+            // Another tenant's user now (an id never changes owner in
+            // `SteamState`; kept correct here all the same).
+            part.remove(row);
+            self.row_of.remove(&id);
         }
-        let row = match self.free.pop() {
-            Some(row) => {
-                if let Err(e) = self.corpus.set_row(row, embedding) {
-                    self.free.push(row);
-                    return Err(e);
-                }
-                self.ids[row] = id;
-                self.owners[row] = owner;
-                self.live[row] = true;
-                row
-            }
-            None => {
-                self.corpus.push_rows(embedding)?;
-                self.ids.push(id);
-                self.owners.push(owner);
-                self.live.push(true);
-                self.ids.len() - 1
-            }
-        };
-        self.row_of.insert(id, row);
+        let row = self.parts[tenant as usize].insert(id, owner, embedding)?;
+        self.row_of.insert(id, (tenant, row));
         Ok(())
     }
 
     /// Removes memory `id` (its row is reused later).
     pub fn remove(&mut self, id: MemoryId) {
-        if let Some(row) = self.row_of.remove(&id) {
-            self.live[row] = false;
-            self.free.push(row);
+        if let Some((t, row)) = self.row_of.remove(&id) {
+            self.parts[t as usize].remove(row);
         }
     }
 
     /// For each of `memories` (ids already in the index), its top-`k1`
-    /// memories of other users with cosine ≥ `tau`, in one kernel call.
+    /// memories of other users of its tenant with cosine ≥ `tau`: one kernel
+    /// call per tenant among them, over that tenant's corpus.
     ///
     /// # Errors
     /// Kernel errors.
@@ -149,38 +201,38 @@ impl MemoryIndex {
         k1: usize,
         tau: f32,
     ) -> steamrf_kernels::Result<Vec<Link>> {
-        let rows: Vec<usize> = memories
-            .iter()
-            .filter_map(|id| self.row_of.get(id).copied())
-            .collect();
-        if rows.is_empty() || k1 == 0 {
-            return Ok(Vec::new());
+        let mut by_tenant: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for id in memories {
+            if let Some(&(t, row)) = self.row_of.get(id) {
+                by_tenant.entry(t).or_default().push(row);
+            }
         }
-        let dim = self.corpus.dim();
-        let mut queries = Vec::with_capacity(rows.len() * dim);
-        for &r in &rows {
-            queries.extend_from_slice(self.corpus.row(r));
-        }
-        let exclude = |q: usize, c: usize| {
-            let (a, b) = (self.owners[c], self.owners[rows[q]]);
-            !self.live[c]
-                || a == b
-                || self.owner_tenant[a as usize] != self.owner_tenant[b as usize]
-        };
-        let params = SearchParams {
-            k: k1,
-            min_score: tau,
-            exclude: Some(&exclude),
-        };
-        let hits = kernel.top_k(&queries, &self.corpus, &params)?;
         let mut out = Vec::new();
-        for (q, hs) in hits.into_iter().enumerate() {
-            for h in hs {
-                out.push(Link {
-                    from: self.ids[rows[q]],
-                    to: self.ids[h.index as usize],
-                    score: h.score,
-                });
+        if k1 == 0 {
+            return Ok(out);
+        }
+        for (t, rows) in by_tenant {
+            let part = &self.parts[t as usize];
+            let mut queries = Vec::with_capacity(rows.len() * self.dim);
+            for &r in &rows {
+                queries.extend_from_slice(part.corpus.row(r));
+            }
+            let exclude =
+                |q: usize, c: usize| !part.live[c] || part.owners[c] == part.owners[rows[q]];
+            let params = SearchParams {
+                k: k1,
+                min_score: tau,
+                exclude: Some(&exclude),
+            };
+            let hits = kernel.top_k(&queries, &part.corpus, &params)?;
+            for (q, hs) in hits.into_iter().enumerate() {
+                for h in hs {
+                    out.push(Link {
+                        from: part.ids[rows[q]],
+                        to: part.ids[h.index as usize],
+                        score: h.score,
+                    });
+                }
             }
         }
         Ok(out)
@@ -205,6 +257,8 @@ mod tests {
             links.iter().map(|l| l.to).collect::<Vec<_>>(),
             vec![MemoryId(3)]
         );
+        // Each tenant is searched in a corpus of its own.
+        assert_eq!(idx.tenants(), 2);
         assert_eq!(tenant_of("acme:alice", Some(':')), "acme");
         assert_eq!(tenant_of("alice", Some(':')), "default");
         assert_eq!(tenant_of("acme:alice", None), "default");

@@ -38,7 +38,7 @@ fn ids(hits: &[Hit]) -> Vec<u32> {
 /// Every row sits in exactly one list, at the position its slot says.
 fn assert_consistent(k: &IvfKernel, n: usize) {
     let guard = k.index.lock().unwrap();
-    let ix = guard.as_ref().expect("an index was built");
+    let ix = guard.values().next().expect("an index was built");
     let mut seen = vec![false; n];
     for (l, members) in ix.lists.iter().enumerate() {
         for (pos, &r) in members.iter().enumerate() {
@@ -211,7 +211,7 @@ fn int8_lists_follow_the_rows_and_rescore_exactly() {
         );
         // Each list's codes are the layer built from its rows.
         let guard = k8.index.lock().unwrap();
-        let ix = guard.as_ref().unwrap();
+        let ix = guard.values().next().unwrap();
         let codes = ix.codes.as_ref().expect("int8 lists");
         for (members, layer) in ix.lists.iter().zip(codes) {
             let flat: Vec<f32> = members
@@ -253,4 +253,28 @@ fn int8_lists_follow_the_rows_and_rescore_exactly() {
         "{stats:?}"
     );
     assert_consistent(&k8, n + 400);
+}
+
+/// Corpora searched in turn (one per tenant) each keep their own index:
+/// alternating between them trains each once; a corpus dropped takes its
+/// index with it at the next call.
+#[test]
+fn each_corpus_keeps_its_index_while_it_lives() {
+    let dim = 16;
+    let a = Corpus::from_rows(&clustered(600, 6, dim, 1), dim).unwrap();
+    let b = Corpus::from_rows(&clustered(900, 6, dim, 2), dim).unwrap();
+    let k = ivf(params(100, 0, 2));
+    let q = uniform(3, dim, 5);
+    for _ in 0..3 {
+        for c in [&a, &b] {
+            let got = k.top_k(&q, c, &SearchParams::top(2)).unwrap();
+            assert_eq!(got.len(), 3);
+        }
+    }
+    let s = k.stats();
+    assert_eq!((s.trainings, s.rows), (2, 1500));
+    drop(b);
+    let _ = k.top_k(&q, &a, &SearchParams::top(2)).unwrap();
+    let s = k.stats();
+    assert_eq!((s.trainings, s.rows), (2, 600));
 }
