@@ -159,26 +159,39 @@ pub struct Corpus {
 
 /// What a kernel derives from each corpus it searches (an index, an int8 or
 /// device copy), by corpus, kept while the corpus lives: a corpus per tenant
-/// gets its own, and a dropped corpus's is freed at the next call.
+/// gets its own, and a dropped corpus's is freed at a later call (the
+/// next one while there are few).
 pub(crate) struct PerCorpus<T> {
     entries: std::collections::HashMap<u64, (std::sync::Weak<()>, T)>,
+    /// From this many entries on, the next call looks for dropped corpora
+    /// (a few are checked on every call; many, once their number doubled,
+    /// so a writer of thousands of tenants does not scan them all per
+    /// tenant).
+    purge_at: usize,
 }
 
 impl<T> Default for PerCorpus<T> {
     fn default() -> Self {
         Self {
             entries: Default::default(),
+            purge_at: 0,
         }
     }
 }
 
+/// Entries a [`PerCorpus`] checks for dropped corpora on every call.
+const PURGE_ALWAYS: usize = 64;
+
 impl<T> PerCorpus<T> {
     /// Takes `corpus`'s state out (to bring it up to date and use it; put
     /// it back with [`PerCorpus::put`]), first dropping the states of the
-    /// corpora that are gone.
+    /// corpora that are gone (see `purge_at`).
     pub(crate) fn take(&mut self, corpus: &Corpus) -> Option<T> {
-        self.entries
-            .retain(|_, (alive, _)| alive.strong_count() > 0);
+        if self.entries.len() <= PURGE_ALWAYS || self.entries.len() >= self.purge_at {
+            self.entries
+                .retain(|_, (alive, _)| alive.strong_count() > 0);
+            self.purge_at = 2 * self.entries.len();
+        }
         self.entries.remove(&corpus.uid).map(|(_, t)| t)
     }
 
@@ -477,4 +490,45 @@ pub(crate) fn prepare_queries(
         Error::InvalidInput { message } => invalid(format!("queries: {message}")),
         other => other,
     })
+}
+
+#[cfg(test)]
+mod per_corpus_tests {
+    use super::*;
+
+    /// Corpora replaced wholesale (a writer reloading its tenants): the
+    /// dropped ones' states go once the entries have doubled, so at most
+    /// about as many dead states as live ones are ever held.
+    #[test]
+    fn dropped_corpora_are_purged_as_the_map_doubles() {
+        let mut p: PerCorpus<usize> = PerCorpus::default();
+        let mut most = 0;
+        let mut cycle = |p: &mut PerCorpus<usize>| {
+            let corpora: Vec<Corpus> = (0..100).map(|_| Corpus::new(2)).collect();
+            for (i, c) in corpora.iter().enumerate() {
+                assert!(p.take(c).is_none());
+                p.put(c, i);
+                most = most.max(p.entries.len());
+            }
+            for c in &corpora {
+                let v = p.take(c).expect("a live corpus keeps its state");
+                p.put(c, v);
+            }
+        };
+        for _ in 0..5 {
+            cycle(&mut p);
+        }
+        assert!(
+            most <= 2 * 100 + 1,
+            "held {most} states for 100 live corpora"
+        );
+        // With few corpora, a dropped one's state goes at the next call.
+        let mut q: PerCorpus<()> = PerCorpus::default();
+        let (a, b) = (Corpus::new(2), Corpus::new(2));
+        q.put(&a, ());
+        q.put(&b, ());
+        drop(b);
+        let _ = q.take(&a);
+        assert!(q.entries.is_empty());
+    }
 }

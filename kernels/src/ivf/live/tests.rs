@@ -38,7 +38,11 @@ fn ids(hits: &[Hit]) -> Vec<u32> {
 /// Every row sits in exactly one list, at the position its slot says.
 fn assert_consistent(k: &IvfKernel, n: usize) {
     let guard = k.index.lock().unwrap();
-    let ix = guard.values().next().expect("an index was built");
+    // The index of the corpus of `n` rows (a test may keep two corpora).
+    let ix = guard
+        .values()
+        .find(|ix| ix.lists.iter().map(Vec::len).sum::<usize>() == n)
+        .expect("an index of n rows was built");
     let mut seen = vec![false; n];
     for (l, members) in ix.lists.iter().enumerate() {
         for (pos, &r) in members.iter().enumerate() {
