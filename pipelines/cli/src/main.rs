@@ -419,6 +419,11 @@ enum BenchCmd {
         /// Configuration file (the embedder, for --texts).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Also extract the last batch's links with LanceDB's IVF_PQ and
+        /// IVF_HNSW_SQ indexes on the same memories (one writer; with the
+        /// IVF or int8, which run the exact writer for recall).
+        #[arg(long)]
+        lancedb: bool,
     },
     /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
     Embed {
@@ -891,6 +896,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     tenants,
                     texts,
                     config,
+                    lancedb,
                 },
         } => {
             let texts = match texts {
@@ -917,6 +923,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 writers,
                 tenants,
                 texts,
+                lancedb,
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
             Ok(print_lines(&lines))

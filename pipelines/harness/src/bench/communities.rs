@@ -18,6 +18,8 @@ use steamrf_schemas::tenancy::{shard_of, tenant_of};
 
 use super::{Synth, rss_bytes};
 
+mod lance;
+
 /// Options of `steamrf bench communities`.
 #[derive(Debug, Clone)]
 pub struct CommunitiesBench {
@@ -49,6 +51,9 @@ pub struct CommunitiesBench {
     /// Embedded real texts, `dim` values each, in file order: memories mix
     /// neighbouring texts instead of synthetic topics.
     pub texts: Option<Vec<f32>>,
+    /// Also extract the last batch's links with LanceDB's IVF_PQ and
+    /// IVF_HNSW_SQ indexes on the same memories (one writer).
+    pub lancedb: bool,
 }
 
 /// Whether `--precision` scores in int8: `int8`, or `auto` where the CPU
@@ -297,6 +302,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let (mut links, mut links_found) = (0usize, 0usize);
     let mut batch_ids = Vec::new();
     let mut last: Vec<LinkOutcome> = Vec::new();
+    let (mut last_ids, mut last_exact) = (Vec::new(), Vec::new());
     for _ in 0..b.batches.max(1) {
         let mut ids: Vec<Vec<MemoryId>> = vec![Vec::new(); writers];
         for _ in 0..b.batch {
@@ -368,7 +374,9 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             .iter()
             .filter(|l| got.contains(&(l.from, l.to)))
             .count();
+        last_ids = ids.iter().flatten().copied().collect();
         batch_ids.extend(ids.into_iter().flatten());
+        last_exact = exact_links;
         last = outcomes;
     }
     let median = |v: &mut Vec<f64>| {
@@ -459,6 +467,25 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         );
     }
     drop(exact_states);
+    if b.lancedb && compare && writers == 1 {
+        let extract_ms = median(&mut extract_times.clone());
+        for m in lance::compare(&states[0], &last_ids, &last_exact, b.probes)? {
+            out.push(format!(
+                "LanceDB {} on the same memories: index built in {:.1} s; the last batch appended and indexed (optimize) in {:.0} ms, then its {} changed memories queried one by one in {:.0} ms ({:.1}x the writer's extraction), link recall {:.4} against the exact writer",
+                m.kind,
+                m.build_s,
+                m.update_ms,
+                last_ids.len(),
+                m.query_ms,
+                m.query_ms / extract_ms.max(1e-9),
+                m.recall
+            ));
+            extra.push_str(&format!(
+                " lancedb_{0}_build_s={1:.1} lancedb_{0}_update_ms={2:.0} lancedb_{0}_query_ms={3:.0} lancedb_{0}_link_recall={4:.4}",
+                m.kind, m.build_s, m.update_ms, m.query_ms, m.recall
+            ));
+        }
+    }
 
     // Full recomputation: extraction for every memory (query blocks of
     // `batch`), then communities and prototypes from scratch, writer after
