@@ -80,6 +80,19 @@ fn proc_status_bytes(pid: &str, field: &str) -> u64 {
 
 /// The `p` quantile of sorted `sorted` (nearest rank); NaN when empty.
 /// A temporary directory for a benchmark's tables, removed on drop.
+/// The `vector` column of the benches' LanceDB tables: `dim` f32 values.
+fn vector_field(dim: usize) -> arrow_schema::Field {
+    use arrow_schema::{DataType, Field};
+    Field::new(
+        "vector",
+        DataType::FixedSizeList(
+            std::sync::Arc::new(Field::new("item", DataType::Float32, true)),
+            dim as i32,
+        ),
+        false,
+    )
+}
+
 fn temp_dir() -> Result<tempfile::TempDir> {
     tempfile::tempdir().map_err(|source| Error::Io {
         context: "creating a temp dir".into(),

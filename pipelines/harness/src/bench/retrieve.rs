@@ -473,14 +473,7 @@ async fn lancedb_topk(
         .map_err(Error::lance("connecting"))?;
     let schema = Arc::new(Schema::new(vec![
         Field::new("user_id", DataType::Utf8, false),
-        Field::new(
-            "vector",
-            DataType::FixedSizeList(
-                Arc::new(Field::new("item", DataType::Float32, true)),
-                dim as i32,
-            ),
-            false,
-        ),
+        super::vector_field(dim),
     ]));
     let n = rows.len() / dim;
     let mut batches = Vec::new();
