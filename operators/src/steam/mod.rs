@@ -316,7 +316,8 @@ impl SteamState {
     /// order they arrive in, so replays give the same memories.
     ///
     /// # Errors
-    /// A wrong-length or non-finite embedding (nothing after it is applied).
+    /// A wrong-length or non-finite embedding (neither it nor anything after
+    /// it is applied).
     pub fn observe(
         &mut self,
         mut batch: Vec<(String, Observation)>,
@@ -329,7 +330,6 @@ impl SteamState {
             ))
         });
         let mut out = ObserveOutcome::default();
-        let mut seen = BTreeSet::new();
         for (_, obs) in &batch {
             if let (Some(item), Some(title)) = (&obs.item_id, &obs.title) {
                 self.learn_item(
@@ -341,14 +341,47 @@ impl SteamState {
                 );
             }
         }
-        for (user_id, obs) in &batch {
+        // A memory consolidated in this batch leaves its community's tally
+        // before its first change and joins again once, after the batch
+        // (also when an error ends it early).
+        let mut out_of_tally: BTreeSet<MemoryId> = BTreeSet::new();
+        let applied = self.observe_sorted(&batch, &mut out, &mut out_of_tally);
+        for id in out_of_tally {
+            self.retally(id);
+        }
+        applied.map(|()| out)
+    }
+
+    /// [`SteamState::observe`]'s loop over a sorted batch.
+    fn observe_sorted(
+        &mut self,
+        batch: &[(String, Observation)],
+        out: &mut ObserveOutcome,
+        out_of_tally: &mut BTreeSet<MemoryId>,
+    ) -> Result<(), steamrf_kernels::Error> {
+        let mut seen = BTreeSet::new();
+        let dim = self.index.dim();
+        for (user_id, obs) in batch {
+            // Checked before anything changes: a consolidation with a vector
+            // of another length would rewrite the memory's embedding first.
+            if obs.embedding.len() != dim || obs.embedding.iter().any(|v| !v.is_finite()) {
+                return Err(steamrf_kernels::Error::InvalidInput {
+                    message: format!(
+                        "observation {:?} of user {user_id:?}: an embedding of {} values, expected {dim} finite ones",
+                        obs.event_id,
+                        obs.embedding.len()
+                    ),
+                });
+            }
             let (tallies, communities) = (&mut self.tallies, &self.communities);
             let step = self
                 .users
                 .entry(user_id.clone())
                 .or_insert_with(|| UserMemories::new(user_id.as_str()))
                 .observe_with(obs, &self.params.evolve, |m| {
-                    if let Some(c) = communities.community_of(m.id) {
+                    if let Some(c) = communities.community_of(m.id)
+                        && out_of_tally.insert(m.id)
+                    {
                         tallies.leave(c, m);
                     }
                 });
@@ -372,7 +405,6 @@ impl SteamState {
                     id
                 }
                 Step::Consolidated(id) => {
-                    self.retally(id);
                     out.consolidated += 1;
                     id
                 }
@@ -386,7 +418,7 @@ impl SteamState {
                 out.changed.push(id);
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Relation extraction, community maintenance and prototypes for the

@@ -36,8 +36,8 @@ pub(super) struct Tally {
     sum: Vec<i64>,
     /// Members per user.
     users: HashMap<String, u32>,
-    /// Members per (item, user) that chose the item.
-    pairs: HashMap<(String, String), u32>,
+    /// Members per (item, user) that chose the item, keyed by [`pair_key`].
+    pairs: HashMap<String, u32>,
     /// Distinct users per item.
     item_users: HashMap<String, u32>,
 }
@@ -86,11 +86,12 @@ impl Tally {
         let mut items: Vec<&str> = m.items.iter().map(String::as_str).collect();
         items.sort_unstable();
         items.dedup();
+        let mut key = String::new();
         for item in items {
-            let key = (item.to_owned(), m.user_id.clone());
-            let before = self.pairs.contains_key(&key);
-            count(&mut self.pairs, &key, join);
-            let after = self.pairs.contains_key(&key);
+            pair_key(&mut key, item, &m.user_id);
+            let before = self.pairs.contains_key(key.as_str());
+            count(&mut self.pairs, key.as_str(), join);
+            let after = self.pairs.contains_key(key.as_str());
             if before != after {
                 count(&mut self.item_users, item, after);
             }
@@ -140,6 +141,17 @@ impl Tally {
         }
         d
     }
+}
+
+/// The (item, user) pair as one string, unambiguous whatever either holds
+/// (the item's length first), written into `key` (reused: a lookup
+/// allocates nothing).
+fn pair_key(key: &mut String, item: &str, user: &str) {
+    use std::fmt::Write;
+    key.clear();
+    let _ = write!(key, "{}:", item.len());
+    key.push_str(item);
+    key.push_str(user);
 }
 
 /// Adds or removes one from `key`'s count, dropping it at zero.

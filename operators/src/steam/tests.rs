@@ -444,6 +444,21 @@ fn profile_memories_are_never_linked_across_users() {
 /// topic) under an id another user holds is refused and the holder keeps
 /// its memory as it was.
 #[test]
+fn a_wrong_length_vector_is_refused_before_it_changes_a_memory() {
+    let mut s = SteamState::new(SteamParams::default(), 3);
+    let first = obs("a1", 1, [1.0, 0.0, 0.0], "Kind of Blue", "Jazz");
+    s.observe(vec![("alice".into(), first)]).unwrap();
+    let before = s.user("alice").unwrap().memories.clone();
+    for v in [vec![1.0, 0.0], vec![1.0, f32::NAN, 0.0]] {
+        let mut bad = obs("a2", 2, [1.0, 0.1, 0.0], "Blue Train", "Jazz");
+        bad.embedding = v;
+        let err = s.observe(vec![("alice".into(), bad)]).unwrap_err();
+        assert!(err.to_string().contains("expected 3 finite"), "{err}");
+        assert_eq!(s.user("alice").unwrap().memories, before);
+    }
+}
+
+#[test]
 fn a_memory_id_never_changes_owner() {
     let mut s = SteamState::new(SteamParams::default(), 3);
     s.init_profile(
@@ -497,6 +512,8 @@ mod tallies {
         /// A newer profile for a user.
         Profile(u8, u8),
         Forget(u8),
+        /// A wrong-length embedding: refused with an error, mid-batch.
+        Bad(u8, u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -505,6 +522,7 @@ mod tallies {
             2 => (0u8..6, 0u8..5, 0u8..4).prop_map(|(u, d, i)| Op::Restore(u, d, i)),
             1 => (0u8..6, 0u8..5).prop_map(|(u, d)| Op::Profile(u, d)),
             1 => (0u8..6).prop_map(Op::Forget),
+            1 => (0u8..6, 0u8..5).prop_map(|(u, d)| Op::Bad(u, d)),
         ]
     }
 
@@ -559,6 +577,24 @@ mod tallies {
                 .collect(),
             Op::Forget(u) => {
                 s.forget_user(&kernel, &user(u)).unwrap();
+                return;
+            }
+            Op::Bad(u, d) => {
+                // A good observation, then a short vector in the same batch.
+                let o = |e: &str, v: Vec<f32>| Observation {
+                    event_id: format!("{e}{step}"),
+                    timestamp_ms: step as i64,
+                    embedding: v,
+                    item_id: Some(format!("i{d}")),
+                    title: Some(format!("Item {d}")),
+                    categories: Vec::new(),
+                    text: None,
+                };
+                let batch = vec![
+                    (user(u), o("g", direction(*d))),
+                    (user(u), o("h", vec![1.0, 0.0, 0.0])),
+                ];
+                assert!(s.observe(batch).is_err());
                 return;
             }
         };
