@@ -93,7 +93,6 @@ pub fn compile() -> Result<cudarc::nvrtc::Ptx> {
 }
 
 struct DeviceCorpus {
-    uid: u64,
     version: u64,
     rows: usize,
     capacity: usize,
@@ -242,7 +241,7 @@ impl CudaKernel {
         let rows = corpus.len();
         let mut slot = guard.take(corpus);
         let reuse = slot.as_ref().and_then(|d| {
-            (d.uid == corpus.uid() && rows <= d.capacity)
+            (rows <= d.capacity)
                 .then(|| corpus.changed_since(d.version))
                 .flatten()
         });
@@ -278,7 +277,6 @@ impl CudaKernel {
                         .map_err(driver)?;
                 }
                 slot = Some(DeviceCorpus {
-                    uid: corpus.uid(),
                     version: corpus.version(),
                     rows,
                     capacity,
@@ -536,6 +534,18 @@ pub enum CpuPrecision {
     F32,
     /// int8 scoring with exact f32 rescoring, or an error without VNNI.
     Int8,
+}
+
+impl CpuPrecision {
+    /// Whether the CPU scores in int8: `Int8`, or `Auto` on a CPU with
+    /// AVX-512 VNNI (what [`select`] picks; the IVF's lists follow it).
+    pub fn int8(self) -> bool {
+        match self {
+            Self::F32 => false,
+            Self::Int8 => true,
+            Self::Auto => crate::quant::vnni_available(),
+        }
+    }
 }
 
 /// Builds the kernel for `choice`, logging which backend runs and why. On

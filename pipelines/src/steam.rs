@@ -1599,7 +1599,6 @@ pub fn relation_index(
     kernel: Arc<dyn SimilarityKernel>,
 ) -> Arc<dyn SimilarityKernel> {
     use crate::config::RelationIndex;
-    use steamrf_kernels::cuda::CpuPrecision;
     use steamrf_kernels::ivf::{IvfKernel, IvfKernelParams};
     let on_cpu = kernel.backend() == steamrf_kernels::Backend::Cpu;
     match steam.relation_index {
@@ -1607,9 +1606,8 @@ pub fn relation_index(
         RelationIndex::Auto if !on_cpu => kernel,
         RelationIndex::Auto | RelationIndex::Ivf => {
             // The lists are scored as the exhaustive CPU kernel scores
-            // (`steam.cpu_precision`; int8 needs VNNI, checked by the kernel).
-            let int8 = !matches!(steam.cpu_precision, CpuPrecision::F32)
-                && steamrf_kernels::quant::vnni_available();
+            // (`steam.cpu_precision`).
+            let int8 = steam.cpu_precision.int8();
             let params = IvfKernelParams {
                 lists: steam.ivf_lists,
                 probes: steam.ivf_probes,

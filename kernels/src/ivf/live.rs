@@ -112,7 +112,6 @@ pub struct IvfStats {
 const UNASSIGNED: (u32, u32) = (u32::MAX, u32::MAX);
 
 struct Index {
-    uid: u64,
     version: u64,
     centroids: Corpus,
     lists: Vec<Vec<u32>>,
@@ -249,7 +248,6 @@ impl IvfKernel {
             &cpu,
         )?;
         let mut ix = Index {
-            uid: corpus.uid(),
             version: corpus.version(),
             lists: vec![Vec::new(); centroids.len()],
             codes: None,
@@ -293,7 +291,6 @@ impl IvfKernel {
     fn refresh(&self, slot: &mut Option<Index>, corpus: &Corpus) -> Result<()> {
         let changed = slot
             .as_ref()
-            .filter(|ix| ix.uid == corpus.uid())
             .and_then(|ix| corpus.changed_since(ix.version));
         let updated = match (slot.as_mut(), changed) {
             (Some(ix), Some(ranges)) => self.update(ix, corpus, ranges)?,
@@ -403,95 +400,74 @@ impl IvfKernel {
         let query_block = self.query_block.max(1);
         let widest = work.iter().map(|&l| by_list[l].len()).max().unwrap_or(0);
         let qb = query_block.min(widest);
-        if let (Some(codes), Some(rescore)) = (&ix.codes, self.int8_rescore()) {
-            return Ok(self.search_int8(
-                corpus, q, params, rescore, &work, &by_list, &ix.lists, codes, qb, longest,
-            ));
-        }
-        let scratch = longest * dim + qb * dim + qb * longest;
+        // int8 lists keep `k · rescore` candidates per query down to the
+        // floor less the int8 error, rescored exactly below; f32 lists keep
+        // the top-k itself, and gather each list's rows into a tile.
+        let int8 = ix.codes.as_deref().zip(self.int8_rescore());
+        let (kept, floor, tile_len) = match int8 {
+            Some((_, rescore)) => (
+                params.k.saturating_mul(rescore),
+                params.min_score - quant::SLACK,
+                0,
+            ),
+            None => (params.k, params.min_score, longest * dim),
+        };
         let heaps = search_blocks(
             self.threads,
             work.len(),
             m,
-            params.k,
-            scratch,
+            kept,
+            tile_len + qb * dim + qb * longest,
             |b, scratch, heaps| {
                 let list = work[b];
                 let rows = &ix.lists[list];
-                let (tile, rest) = scratch.split_at_mut(longest * dim);
-                let (lhs, out) = rest.split_at_mut(qb * dim);
-                let tile = &mut tile[..rows.len() * dim];
-                for (dst, &r) in tile.chunks_exact_mut(dim).zip(rows) {
-                    dst.copy_from_slice(corpus.row(r as usize));
-                }
                 let n = rows.len();
-                in_chunks(
-                    q,
-                    dim,
-                    &by_list[list],
-                    qb,
-                    n,
-                    (lhs, out),
-                    |out, lhs, qs| scores(out, lhs, tile, qs, n, dim),
-                    |s, qi| {
-                        let row = |j: usize| rows[j] as usize;
-                        scan_mapped(&mut heaps[qi], s, row, qi, params.min_score, params);
-                    },
-                );
+                let (tile, rest) = scratch.split_at_mut(tile_len);
+                let visit = |s: &[f32], qi: usize| {
+                    scan_mapped(&mut heaps[qi], s, |j| rows[j] as usize, qi, floor, params);
+                };
+                let queries = &by_list[list];
+                match int8 {
+                    Some((codes, _)) => in_chunks(
+                        q,
+                        dim,
+                        queries,
+                        qb,
+                        n,
+                        rest,
+                        |out, lhs, qs| codes[list].forward(out, lhs, qs),
+                        visit,
+                    ),
+                    None => {
+                        let tile = &mut tile[..n * dim];
+                        for (dst, &r) in tile.chunks_exact_mut(dim).zip(rows) {
+                            dst.copy_from_slice(corpus.row(r as usize));
+                        }
+                        in_chunks(
+                            q,
+                            dim,
+                            queries,
+                            qb,
+                            n,
+                            rest,
+                            |out, lhs, qs| scores(out, lhs, tile, qs, n, dim),
+                            visit,
+                        );
+                    }
+                }
             },
         );
-        Ok(heaps.into_iter().map(TopK::into_sorted).collect())
-    }
-
-    /// The int8 pass over the probed lists, then exact rescoring (see the
-    /// module docs).
-    #[allow(clippy::too_many_arguments)]
-    fn search_int8(
-        &self,
-        corpus: &Corpus,
-        q: &[f32],
-        params: &SearchParams<'_>,
-        rescore: usize,
-        work: &[usize],
-        by_list: &[Vec<u32>],
-        lists: &[Vec<u32>],
-        codes: &[QuantLinear],
-        qb: usize,
-        longest: usize,
-    ) -> Vec<Vec<Hit>> {
-        let dim = corpus.dim();
-        let m = q.len() / dim;
-        let floor = params.min_score - quant::SLACK;
-        let candidates = params.k.saturating_mul(rescore);
-        let heaps = search_blocks(
-            self.threads,
-            work.len(),
-            m,
-            candidates,
-            qb * dim + qb * longest,
-            |b, scratch, heaps| {
-                let list = work[b];
-                let rows = &lists[list];
-                let (lhs, out) = scratch.split_at_mut(qb * dim);
-                in_chunks(
-                    q,
-                    dim,
-                    &by_list[list],
-                    qb,
-                    rows.len(),
-                    (lhs, out),
-                    |out, lhs, qs| codes[list].forward(out, lhs, qs),
-                    |s, qi| scan_mapped(&mut heaps[qi], s, |j| rows[j] as usize, qi, floor, params),
-                );
-            },
-        );
-        quant::rescore_exactly(q, corpus, heaps, params)
+        Ok(match int8 {
+            Some(_) => quant::rescore_exactly(q, corpus, heaps, params),
+            None => heaps.into_iter().map(TopK::into_sorted).collect(),
+        })
     }
 }
 
 /// One list's pass: `queries` (indices into `q`) in chunks of `qb`, each
-/// chunk's rows of `q` gathered into `lhs`, `score(out, lhs, chunk)` writing
-/// `chunk × n` scores, then `visit(scores, query)` for each query's row.
+/// chunk's rows of `q` gathered into the front of `scratch` (`qb · dim`),
+/// `score(out, lhs, chunk)` writing `chunk × n` scores into the rest, then
+/// `visit(scores, query)` for each query's row.
 #[allow(clippy::too_many_arguments)]
 fn in_chunks(
     q: &[f32],
@@ -499,10 +475,11 @@ fn in_chunks(
     queries: &[u32],
     qb: usize,
     n: usize,
-    (lhs, out): (&mut [f32], &mut [f32]),
+    scratch: &mut [f32],
     mut score: impl FnMut(&mut [f32], &[f32], usize),
     mut visit: impl FnMut(&[f32], usize),
 ) {
+    let (lhs, out) = scratch.split_at_mut(qb * dim);
     for chunk in queries.chunks(qb) {
         let qs = chunk.len();
         for (dst, &qi) in lhs.chunks_exact_mut(dim).zip(chunk) {

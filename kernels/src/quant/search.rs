@@ -28,7 +28,6 @@ pub const SLACK: f32 = 0.05;
 /// The int8 corpus: one layer per block of rows, edited row by row as the
 /// corpus changes.
 struct Shadow {
-    uid: u64,
     version: u64,
     rows: usize,
     blocks: Vec<Arc<QuantLinear>>,
@@ -117,7 +116,7 @@ impl QuantKernel {
         let mut slot = guard.take(corpus);
         let changed = slot
             .as_ref()
-            .filter(|s| s.uid == corpus.uid() && s.rows == rows)
+            .filter(|s| s.rows == rows)
             .and_then(|s| corpus.changed_since(s.version));
         let shadow = match (slot.as_mut(), changed) {
             (Some(s), Some(ranges)) => {
@@ -145,7 +144,6 @@ impl QuantKernel {
                 s
             }
             _ => slot.insert(Shadow {
-                uid: corpus.uid(),
                 version: corpus.version(),
                 rows,
                 blocks: (0..n.div_ceil(rows)).map(build).collect(),
@@ -170,12 +168,6 @@ impl SimilarityKernel for QuantKernel {
         corpus: &Corpus,
         params: &SearchParams<'_>,
     ) -> Result<Vec<Vec<Hit>>> {
-        let q = match prepare_search(queries, corpus, params)? {
-            Prepared::Search(q) => q,
-            Prepared::Answered(hits) => return Ok(hits),
-        };
-        let dim = corpus.dim();
-        let m = q.len() / dim;
         let n = corpus.len();
         if n < self.f32_below {
             let f32_kernel = CpuKernel {
@@ -184,6 +176,12 @@ impl SimilarityKernel for QuantKernel {
             };
             return f32_kernel.top_k(queries, corpus, params);
         }
+        let q = match prepare_search(queries, corpus, params)? {
+            Prepared::Search(q) => q,
+            Prepared::Answered(hits) => return Ok(hits),
+        };
+        let dim = corpus.dim();
+        let m = q.len() / dim;
         let blocks = self.blocks(corpus);
         let rows = self.block_rows.max(1);
         let query_block = self.query_block.max(1);

@@ -97,7 +97,8 @@ impl Tally {
             }
         }
         if self.members == 0 {
-            // Nothing left: no residue of rounding or of a skipped member.
+            // Nothing left: the sum's allocation goes, and the tally reads
+            // as one built from no members (an empty sum, not zeros).
             *self = Self::default();
         }
     }
@@ -149,7 +150,7 @@ impl Tally {
 fn pair_key(key: &mut String, item: &str, user: &str) {
     use std::fmt::Write;
     key.clear();
-    let _ = write!(key, "{}:", item.len());
+    write!(key, "{}:", item.len()).expect("writing to a String cannot fail");
     key.push_str(item);
     key.push_str(user);
 }

@@ -78,8 +78,6 @@ fn proc_status_bytes(pid: &str, field: &str) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// The `p` quantile of sorted `sorted` (nearest rank); NaN when empty.
-/// A temporary directory for a benchmark's tables, removed on drop.
 /// The `vector` column of the benches' LanceDB tables: `dim` f32 values.
 fn vector_field(dim: usize) -> arrow_schema::Field {
     use arrow_schema::{DataType, Field};
@@ -93,6 +91,7 @@ fn vector_field(dim: usize) -> arrow_schema::Field {
     )
 }
 
+/// A temporary directory for a benchmark's tables, removed on drop.
 fn temp_dir() -> Result<tempfile::TempDir> {
     tempfile::tempdir().map_err(|source| Error::Io {
         context: "creating a temp dir".into(),
@@ -100,6 +99,7 @@ fn temp_dir() -> Result<tempfile::TempDir> {
     })
 }
 
+/// The `p` quantile of sorted `sorted` (nearest rank); NaN when empty.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;

@@ -56,10 +56,16 @@ pub struct CommunitiesBench {
     pub lancedb: bool,
 }
 
-/// Whether `--precision` scores in int8: `int8`, or `auto` where the CPU
-/// has AVX-512 VNNI (as `steam.cpu_precision = "auto"` does).
+/// Whether `--precision` (auto, f32 or int8, as `steam.cpu_precision`)
+/// scores in int8 on this CPU.
 pub fn int8_scoring(precision: &str) -> bool {
-    precision == "int8" || (precision == "auto" && steamrf_kernels::quant::vnni_available())
+    use steamrf_kernels::cuda::CpuPrecision;
+    match precision {
+        "f32" => CpuPrecision::F32,
+        "int8" => CpuPrecision::Int8,
+        _ => CpuPrecision::Auto,
+    }
+    .int8()
 }
 
 /// `steam.rescore`'s default.
@@ -469,7 +475,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     drop(exact_states);
     if b.lancedb && compare && writers == 1 {
         let extract_ms = median(&mut extract_times.clone());
-        for m in lance::compare(&states[0], &last_ids, &last_exact, b.probes)? {
+        for m in lance::compare(&states[0], b.dim, &last_ids, &last_exact, b.probes)? {
             out.push(format!(
                 "LanceDB {} on the same memories: index built in {:.1} s; the last batch appended and indexed (optimize) in {:.0} ms, then its {} changed memories queried one by one in {:.0} ms ({:.1}x the writer's extraction), link recall {:.4} against the exact writer",
                 m.kind,

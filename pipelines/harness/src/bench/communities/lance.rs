@@ -42,16 +42,18 @@ pub(super) struct Measured {
     pub recall: f64,
 }
 
-/// Runs the comparison on `state` (one writer's), `batch` being the last
-/// measured batch's memories and `exact` the exact writer's links for it.
+/// Runs the comparison on `state` (one writer's, `dim`-dimensional
+/// memories), `batch` being the last measured batch's memories and `exact`
+/// the exact writer's links for it.
 pub(super) fn compare(
     state: &SteamState,
+    dim: usize,
     batch: &[MemoryId],
     exact: &[Link],
     probes: usize,
 ) -> Result<Vec<Measured>> {
     let handle = tokio::runtime::Handle::current();
-    handle.block_on(run(state, batch, exact, probes))
+    handle.block_on(run(state, dim, batch, exact, probes))
 }
 
 /// The state's memories as table rows (id = position in `ids`).
@@ -112,18 +114,12 @@ fn batch_of(r: &Rows, which: &[usize], dim: usize) -> Result<RecordBatch> {
 
 async fn run(
     state: &SteamState,
+    dim: usize,
     batch: &[MemoryId],
     exact: &[Link],
     probes: usize,
 ) -> Result<Vec<Measured>> {
     let params = *state.params();
-    let dim = state
-        .user_ids()
-        .filter_map(|u| state.user(u))
-        .flat_map(|u| u.memories.first())
-        .map(|m| m.embedding.len())
-        .next()
-        .unwrap_or(0);
     let r = rows(state, dim);
     let in_batch: HashSet<MemoryId> = batch.iter().copied().collect();
     let (mut before, mut arriving) = (Vec::new(), Vec::new());
