@@ -117,6 +117,21 @@ impl Bf16Linear {
     /// # Panics
     /// If the lengths disagree.
     pub fn forward(&self, out: &mut [f32], x: &[f32], t: usize) {
+        self.forward_of(out, x, t, Input::AsIs);
+    }
+
+    /// `out = gelu(x) · wᵀ + bias`, GELU ([`crate::nn::gelu`]) applied to
+    /// each input as it is rounded and packed: one pass over `x` instead of
+    /// two (a BERT block's second FFN layer, whose input is the first's
+    /// output). The same values as `forward` on `gelu_erf(x)`.
+    ///
+    /// # Panics
+    /// If the lengths disagree.
+    pub fn forward_gelu(&self, out: &mut [f32], x: &[f32], t: usize) {
+        self.forward_of(out, x, t, Input::Gelu);
+    }
+
+    fn forward_of(&self, out: &mut [f32], x: &[f32], t: usize, input: Input) {
         assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
         assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -124,10 +139,16 @@ impl Bf16Linear {
             // SAFETY: the CPU has AMX-TILE and AMX-BF16 and this process
             // holds the tile data permission (amx_available); x and out have
             // t × k and t × n values (asserted above).
-            unsafe { amx::forward(self, out, x, t) };
+            unsafe { amx::forward(self, out, x, t, input) };
             return;
         }
-        self.forward_scalar(out, x, t);
+        match input {
+            Input::AsIs => self.forward_scalar(out, x, t),
+            Input::Gelu => {
+                let x: Vec<f32> = x.iter().map(|&v| crate::nn::gelu(v)).collect();
+                self.forward_scalar(out, &x, t);
+            }
+        }
     }
 
     /// The same products (bf16 activations × bf16 weights, exact in f32),
@@ -156,19 +177,29 @@ impl Bf16Linear {
     }
 }
 
-/// Rounds the `t × k` rows of `x` to bf16 and lays them out as A tiles in
+/// What a call does to its inputs before rounding them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Input {
+    AsIs,
+    Gelu,
+}
+
+/// Rounds the `t × k` rows of `x` (or their GELU) to bf16 and lays them out as A tiles in
 /// `a`: `[tp / 16][k / 32 rounded up]` tiles of 16 rows × 32 inputs, rows
 /// `t..tp` and inputs past `k` zero. In AVX-512 where the CPU has it; the
 /// same values as [`to_bf16`] either way.
-fn pack_rows(x: &[f32], t: usize, k: usize, tp: usize, a: &mut [u16]) {
+fn pack_rows(x: &[f32], t: usize, k: usize, tp: usize, a: &mut [u16], input: Input) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU supports AVX-512F, checked on the line above.
-        return unsafe { simd::pack_rows(x, t, k, tp, a) };
+        return unsafe { simd::pack_rows(x, t, k, tp, a, input) };
     }
     pack_rows_body(x, t, k, tp, a, |src, dst| {
         for (d, &v) in dst.iter_mut().zip(src) {
-            *d = to_bf16(v);
+            *d = to_bf16(match input {
+                Input::AsIs => v,
+                Input::Gelu => crate::nn::gelu(v),
+            });
         }
     });
 }
@@ -204,19 +235,39 @@ fn pack_rows_body(
 mod simd {
     use std::arch::x86_64::*;
 
+    use super::Input;
+
     /// # Safety
     /// The CPU must support AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn pack_rows(x: &[f32], t: usize, k: usize, tp: usize, a: &mut [u16]) {
+    pub(super) unsafe fn pack_rows(
+        x: &[f32],
+        t: usize,
+        k: usize,
+        tp: usize,
+        a: &mut [u16],
+        input: Input,
+    ) {
+        let gelu = input == Input::Gelu;
         super::pack_rows_body(x, t, k, tp, a, |src, dst| {
             let whole = src.len() / 16 * 16;
             for (c, d) in src[..whole].chunks_exact(16).zip(dst.chunks_exact_mut(16)) {
-                // SAFETY: AVX-512F (this function's contract); `c` holds 16
-                // f32 and `d` 16 u16.
-                unsafe { round16(c, d) };
+                if gelu {
+                    let mut g = [0.0f32; 16];
+                    // Inlined and vectorised: `gelu` is `inline(always)`.
+                    for (g, &v) in g.iter_mut().zip(c) {
+                        *g = crate::nn::gelu(v);
+                    }
+                    // SAFETY: AVX-512F (this function's contract); `g`
+                    // holds 16 f32 and `d` 16 u16.
+                    unsafe { round16(&g, d) };
+                } else {
+                    // SAFETY: as above; `c` holds 16 f32.
+                    unsafe { round16(c, d) };
+                }
             }
             for (d, &v) in dst[whole..].iter_mut().zip(&src[whole..]) {
-                *d = super::to_bf16(v);
+                *d = super::to_bf16(if gelu { crate::nn::gelu(v) } else { v });
             }
         });
     }
@@ -249,7 +300,7 @@ mod simd {
 mod amx {
     use std::cell::Cell;
 
-    use super::{BLOCK, Bf16Linear, KT, TILE, TT, pack_rows};
+    use super::{BLOCK, Bf16Linear, Input, KT, TILE, TT, pack_rows};
     use crate::amx::{Config, release, tile_dot, tile_load, tile_store};
 
     thread_local! {
@@ -262,7 +313,13 @@ mod amx {
     /// The CPU must have AMX-TILE and AMX-BF16, with the tile data
     /// permission granted to this process; `x` holds `t × k` values and
     /// `out` `t × n`.
-    pub(super) unsafe fn forward(layer: &Bf16Linear, out: &mut [f32], x: &[f32], t: usize) {
+    pub(super) unsafe fn forward(
+        layer: &Bf16Linear,
+        out: &mut [f32],
+        x: &[f32],
+        t: usize,
+        input: Input,
+    ) {
         let (n, k, kp, np) = (layer.n, layer.k, layer.kp, layer.np);
         let kb = kp / KT;
         let tp = t.div_ceil(BLOCK) * BLOCK;
@@ -275,7 +332,7 @@ mod amx {
         if a.len() < tp * kp {
             a.resize(tp * kp, 0);
         }
-        pack_rows(x, t, k, tp, &mut a);
+        pack_rows(x, t, k, tp, &mut a, input);
         let config = Config::full();
         let stride = 2 * KT;
         // SAFETY: for every asm statement below: the CPU runs AMX with the

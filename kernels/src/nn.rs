@@ -1,7 +1,11 @@
 //! Dense kernels for a transformer encoder's forward pass on the CPU: a
-//! strided matrix multiply on gemm's SIMD micro-kernels (the only `unsafe`),
-//! and the element-wise pieces around it (bias, layer norm, exact-erf GELU,
-//! softmax), written as plain loops the compiler vectorises.
+//! strided matrix multiply on gemm's SIMD micro-kernels, and the
+//! element-wise pieces around it (bias, layer norm with its residual add,
+//! exact-erf GELU, softmax, column maxima), written as plain loops the
+//! compiler vectorises. Softmax alone is AVX-512 intrinsics where the CPU
+//! has them (attention's rows are short, and the portable loop's scalar
+//! tails and lane folds were most of its cost); a test holds it to the
+//! portable loop's values bit for bit.
 //!
 //! The embedder in `steamrf-operators` assembles all-MiniLM-L6-v2 from these.
 
@@ -16,12 +20,26 @@ macro_rules! simd_variants {
                 super::gelu_erf_body(x)
             }
             #[target_feature(enable = $feature)]
-            pub(super) fn softmax_rows(x: &mut [f32], cols: usize) {
-                super::softmax_rows_body(x, cols)
+            pub(super) fn max_rows_into(dst: &mut [f32], rows: &[f32]) {
+                super::max_rows_into_body(dst, rows)
+            }
+            #[target_feature(enable = $feature)]
+            pub(super) fn max_of(x: &[f32]) -> f32 {
+                super::max(x)
             }
             #[target_feature(enable = $feature)]
             pub(super) fn layer_norm(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
                 super::layer_norm_body(x, gamma, beta, eps)
+            }
+            #[target_feature(enable = $feature)]
+            pub(super) fn add_layer_norm(
+                x: &mut [f32],
+                y: &[f32],
+                gamma: &[f32],
+                beta: &[f32],
+                eps: f32,
+            ) {
+                super::add_layer_norm_body(x, y, gamma, beta, eps)
             }
         }
     };
@@ -211,15 +229,63 @@ fn layer_norm_body(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
     let dim = gamma.len();
     for row in x.chunks_exact_mut(dim) {
         let mean = sum(row) / dim as f32;
-        let mut sq = [0.0f32; 16];
-        for (i, v) in row.iter().enumerate() {
-            sq[i % 16] += (v - mean) * (v - mean);
+        normalise(row, mean, gamma, beta, eps);
+    }
+}
+
+/// One row of a layer norm, given its mean.
+#[inline(always)]
+fn normalise(row: &mut [f32], mean: f32, gamma: &[f32], beta: &[f32], eps: f32) {
+    // Lane i % 16 of `sq` sums the squares of values i, i + 16, …; in
+    // whole chunks of 16, so it vectorises (an index modulo 16 did not).
+    let mut sq = [0.0f32; 16];
+    let chunks = row.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, v) in sq.iter_mut().zip(c) {
+            *a += (v - mean) * (v - mean);
         }
-        let var = sq.iter().sum::<f32>() / dim as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
-            *v = (*v - mean) * inv * g + b;
+    }
+    for (a, v) in sq.iter_mut().zip(rest) {
+        *a += (v - mean) * (v - mean);
+    }
+    let var = fold_lanes(sq, |a, b| a + b) / row.len() as f32;
+    let inv = 1.0 / (var + eps).sqrt();
+    for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
+        *v = (*v - mean) * inv * g + b;
+    }
+}
+
+/// `x = layer_norm(x + y)` (a BERT block's residual and norm): the same
+/// values as [`add_assign`] then [`layer_norm`], in one pass over `x`
+/// fewer.
+///
+/// # Panics
+/// If `x` and `y` differ in length.
+pub fn add_layer_norm(x: &mut [f32], y: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    assert_eq!(x.len(), y.len(), "the residual differs in length");
+    dispatch!(add_layer_norm, add_layer_norm_body(x, y, gamma, beta, eps))
+}
+
+#[inline(always)]
+fn add_layer_norm_body(x: &mut [f32], y: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    let dim = gamma.len();
+    for (row, res) in x.chunks_exact_mut(dim).zip(y.chunks_exact(dim)) {
+        // The sum as `sum` takes it: lane i % 16, then the same fold.
+        let mut acc = [0.0f32; 16];
+        for (c, r) in row.chunks_exact_mut(16).zip(res.chunks_exact(16)) {
+            for ((a, v), w) in acc.iter_mut().zip(c.iter_mut()).zip(r) {
+                *v += w;
+                *a += *v;
+            }
         }
+        let whole = dim / 16 * 16;
+        for ((a, v), w) in acc.iter_mut().zip(&mut row[whole..]).zip(&res[whole..]) {
+            *v += w;
+            *a += *v;
+        }
+        let mean = fold_lanes(acc, |a, b| a + b) / dim as f32;
+        normalise(row, mean, gamma, beta, eps);
     }
 }
 
@@ -261,8 +327,16 @@ pub fn gelu_erf(x: &mut [f32]) {
 #[inline(always)]
 fn gelu_erf_body(x: &mut [f32]) {
     for v in x {
-        *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
+        *v = gelu(*v);
     }
+}
+
+/// Exact GELU of one value, `x · (1 + erf(x / √2)) / 2`, with [`erf`]:
+/// inlined, so a loop of it vectorises (what [`gelu_erf`] runs, and what
+/// `bf16::Bf16Linear::forward_gelu` applies while packing its input).
+#[inline(always)]
+pub fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
 }
 
 /// e^x for f32, branch-free so it vectorises (libm's expf is a call per
@@ -344,19 +418,184 @@ fn max(x: &[f32]) -> f32 {
 
 /// In-place softmax over each row of `cols` values.
 pub fn softmax_rows(x: &mut [f32], cols: usize) {
-    dispatch!(softmax_rows, softmax_rows_body(x, cols))
+    softmax_rows_scaled(x, cols, 1.0);
+}
+
+/// In-place softmax of `scale · x` over each row of `cols` values (`scale`
+/// positive): attention's scaled scores in one pass fewer. Rows whose
+/// length is a multiple of 16 run without a scalar tail; padding a row with
+/// `-inf` to get there adds ~1e-38 per padded value to its sum (`exp`'s
+/// floor), which no f32 sum of at least one `exp(0) = 1` can hold.
+pub fn softmax_rows_scaled(x: &mut [f32], cols: usize, scale: f32) {
+    if cols == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked on the line above.
+            return unsafe { softmax512::softmax_rows(x, cols, scale) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { softmax_avx2(x, cols, scale) };
+        }
+    }
+    softmax_rows_body(x, cols, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_avx2(x: &mut [f32], cols: usize, scale: f32) {
+    softmax_rows_body(x, cols, scale)
+}
+
+/// Softmax rows in AVX-512 intrinsics: the same steps as
+/// [`softmax_rows_body`] (the same `exp`, the max and the sum folded as the
+/// same tree), with a row's last partial 16 values under a mask instead of
+/// a scalar tail, and the two folds as `reduce` shuffles rather than
+/// sixteen-lane arrays (attention's rows are short: per row, the folds
+/// were most of the cost).
+#[cfg(target_arch = "x86_64")]
+mod softmax512 {
+    use std::arch::x86_64::*;
+
+    /// [`super::exp`] on 16 lanes, the same operations in the same order
+    /// (no fused multiply-adds), so the same values.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::excessive_precision)]
+    fn exp16(x: __m512) -> __m512 {
+        let set = _mm512_set1_ps;
+        // NaN stays NaN, as with `f32::clamp` (`max_ps` and `min_ps`
+        // return their second operand when either is NaN).
+        let x = _mm512_min_ps(set(88.0), _mm512_max_ps(set(-87.0), x));
+        const MAGIC: f32 = 12_582_912.0;
+        let magic = set(MAGIC);
+        let n = _mm512_sub_ps(
+            _mm512_add_ps(_mm512_mul_ps(x, set(std::f32::consts::LOG2_E)), magic),
+            magic,
+        );
+        let r = _mm512_sub_ps(
+            _mm512_sub_ps(x, _mm512_mul_ps(n, set(0.693_359_375))),
+            _mm512_mul_ps(n, set(-2.121_944_4e-4)),
+        );
+        let mut p = set(1.987_569_150_0e-4);
+        for c in [
+            1.398_199_950_7e-3,
+            8.333_451_907_3e-3,
+            4.166_579_589_4e-2,
+            1.666_666_545_9e-1,
+            5.000_000_120_1e-1,
+        ] {
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), set(c));
+        }
+        let y = _mm512_add_ps(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
+            set(1.0),
+        );
+        let biased = _mm512_sub_epi32(
+            _mm512_castps_si512(_mm512_add_ps(n, set(MAGIC + 127.0))),
+            _mm512_castps_si512(magic),
+        );
+        _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn softmax_rows(x: &mut [f32], cols: usize, scale: f32) {
+        let full = cols / 16;
+        let tail = cols % 16;
+        let mask: __mmask16 = ((1u32 << tail) - 1) as u16;
+        let scale = _mm512_set1_ps(scale);
+        let low = _mm512_set1_ps(f32::NEG_INFINITY);
+        for row in x.chunks_exact_mut(cols) {
+            let p = row.as_mut_ptr();
+            // SAFETY: `row` holds `cols` = 16 · full + tail values; each
+            // whole load or store below touches 16 of the first 16 · full,
+            // and each masked one only the `tail` after them.
+            unsafe {
+                // `max(v, m)` keeps `m` when `v` is NaN, as the scalar rule.
+                let mut m = low;
+                for c in 0..full {
+                    m = _mm512_max_ps(_mm512_loadu_ps(p.add(16 * c)), m);
+                }
+                if tail > 0 {
+                    m = _mm512_max_ps(_mm512_mask_loadu_ps(low, mask, p.add(16 * full)), m);
+                }
+                let m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+                let mut acc = _mm512_setzero_ps();
+                for c in 0..full {
+                    let v = _mm512_loadu_ps(p.add(16 * c));
+                    let e = exp16(_mm512_mul_ps(_mm512_sub_ps(v, m), scale));
+                    _mm512_storeu_ps(p.add(16 * c), e);
+                    acc = _mm512_add_ps(acc, e);
+                }
+                if tail > 0 {
+                    let v = _mm512_mask_loadu_ps(m, mask, p.add(16 * full));
+                    let e = exp16(_mm512_mul_ps(_mm512_sub_ps(v, m), scale));
+                    _mm512_mask_storeu_ps(p.add(16 * full), mask, e);
+                    acc = _mm512_mask_add_ps(acc, mask, acc, e);
+                }
+                let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(acc));
+                for c in 0..full {
+                    let v = _mm512_loadu_ps(p.add(16 * c));
+                    _mm512_storeu_ps(p.add(16 * c), _mm512_mul_ps(v, inv));
+                }
+                if tail > 0 {
+                    let v = _mm512_maskz_loadu_ps(mask, p.add(16 * full));
+                    _mm512_mask_storeu_ps(p.add(16 * full), mask, _mm512_mul_ps(v, inv));
+                }
+            }
+        }
+    }
 }
 
 #[inline(always)]
-fn softmax_rows_body(x: &mut [f32], cols: usize) {
+fn softmax_rows_body(x: &mut [f32], cols: usize, scale: f32) {
     for row in x.chunks_exact_mut(cols) {
         let m = max(row);
         for v in row.iter_mut() {
-            *v = exp(*v - m);
+            *v = exp((*v - m) * scale);
         }
         let inv = 1.0 / sum(row);
         for v in row.iter_mut() {
             *v *= inv;
+        }
+    }
+}
+
+/// The largest value of `x` (`-inf` when empty; a NaN never wins).
+pub fn max_of(x: &[f32]) -> f32 {
+    dispatch!(max_of, max(x))
+}
+
+/// `dst[j] = max(dst[j], rows[i · n + j])` over every row `i` of `rows`,
+/// `n = dst.len()`: a column-wise maximum, as SPLADE pools its logits over
+/// a text's tokens. A NaN in `rows` never wins (`v > d` is false).
+///
+/// # Panics
+/// If `rows` is not whole rows of `dst.len()` values.
+pub fn max_rows_into(dst: &mut [f32], rows: &[f32]) {
+    let n = dst.len();
+    assert!(
+        rows.is_empty() || n > 0 && rows.len().is_multiple_of(n),
+        "{} values are not rows of {n}",
+        rows.len()
+    );
+    if n == 0 {
+        return;
+    }
+    dispatch!(max_rows_into, max_rows_into_body(dst, rows))
+}
+
+#[inline(always)]
+fn max_rows_into_body(dst: &mut [f32], rows: &[f32]) {
+    for row in rows.chunks_exact(dst.len()) {
+        // `if v > d` (not `f32::max`, whose NaN rule blocks `vmaxps`).
+        for (d, &v) in dst.iter_mut().zip(row) {
+            *d = if v > *d { v } else { *d };
         }
     }
 }
@@ -456,6 +695,82 @@ mod tests {
         );
         assert_eq!(exp(0.0), 1.0);
         assert!(exp(-1000.0) < 1e-37 && exp(-1000.0) >= 0.0);
+    }
+
+    proptest! {
+        /// Every path the CPU has (AVX-512 intrinsics, AVX2) gives the
+        /// portable loop's values, on rows of any length, NaN included.
+        #[test]
+        fn softmax_paths_agree(cols in 1usize..70, rows in 1usize..5, seed in 0u64..1000, nan in 0usize..400) {
+            let val = |i: usize| ((i as u64 * 2654435761 + seed) % 1000) as f32 / 40.0 - 12.0;
+            let mut x: Vec<f32> = (0..cols * rows).map(val).collect();
+            if nan < x.len() {
+                x[nan] = f32::NAN;
+            }
+            let mut want = x.clone();
+            softmax_rows_body(&mut want, cols, 0.37);
+            let mut got = x.clone();
+            softmax_rows_scaled(&mut got, cols, 0.37);
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!(a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan(), "{a} vs {b}");
+            }
+        }
+    }
+
+    proptest! {
+        /// The fused residual and norm gives exactly the two steps' values.
+        #[test]
+        fn add_layer_norm_is_add_then_layer_norm(dim in 1usize..70, rows in 1usize..4, seed in 0u64..1000) {
+            let val = |i: usize| ((i as u64 * 2654435761 + seed) % 1000) as f32 / 100.0 - 5.0;
+            let x: Vec<f32> = (0..dim * rows).map(val).collect();
+            let y: Vec<f32> = (0..dim * rows).map(|i| val(i + 3)).collect();
+            let g: Vec<f32> = (0..dim).map(|i| val(i + 5)).collect();
+            let b: Vec<f32> = (0..dim).map(|i| val(i + 9)).collect();
+            let mut want = x.clone();
+            add_assign(&mut want, &y);
+            layer_norm(&mut want, &g, &b, 1e-12);
+            let mut got = x;
+            add_layer_norm(&mut got, &y, &g, &b, 1e-12);
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn scaled_softmax_pads_with_minus_infinity() {
+        // One row of 3 scores padded to 16 with -inf, scaled by 0.5:
+        // the same as softmax(0.5 · [1, 2, 3]).
+        let mut padded = [f32::NEG_INFINITY; 16];
+        padded[..3].copy_from_slice(&[1.0, 2.0, 3.0]);
+        softmax_rows_scaled(&mut padded, 16, 0.5);
+        let mut plain = [0.5, 1.0, 1.5];
+        softmax_rows(&mut plain, 3);
+        assert_eq!(padded[..3], plain);
+        assert!(padded[3..].iter().all(|&v| v < 1e-37));
+        let total: f32 = plain.iter().sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+
+    proptest! {
+        #[test]
+        fn column_maxima_match_a_fold(n in 1usize..70, rows in 0usize..9, seed in 0u64..1000) {
+            let val = |i: usize| ((i as u64 * 2654435761 + seed) % 1000) as f32 / 50.0 - 10.0;
+            let data: Vec<f32> = (0..n * rows).map(val).collect();
+            let mut got = vec![-5.0f32; n];
+            max_rows_into(&mut got, &data);
+            for j in 0..n {
+                let want = (0..rows).map(|i| data[i * n + j]).fold(-5.0f32, f32::max);
+                prop_assert_eq!(got[j], want);
+            }
+            let all = data.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            prop_assert_eq!(max_of(&data), all);
+        }
+    }
+
+    #[test]
+    fn column_maxima_ignore_nan() {
+        let mut d = [1.0, f32::NEG_INFINITY];
+        max_rows_into(&mut d, &[f32::NAN, 2.0, 0.5, f32::NAN]);
+        assert_eq!(d, [1.0, 2.0]);
     }
 
     #[test]

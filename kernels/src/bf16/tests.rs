@@ -37,7 +37,7 @@ fn packing_rounds_like_the_half_crate() {
     all.push(f32::NAN);
     let k = all.len();
     let mut got = vec![7u16; BLOCK * k.div_ceil(KT) * KT];
-    pack_rows(&all, 1, k, BLOCK, &mut got);
+    pack_rows(&all, 1, k, BLOCK, &mut got, Input::AsIs);
     for (p, &v) in all.iter().enumerate() {
         let g = got[(p / KT) * TILE + p % KT];
         if v.is_nan() {
@@ -57,7 +57,7 @@ proptest! {
         x[nan % (t * k)] = f32::NAN;
         let (tp, kb) = (t.div_ceil(BLOCK) * BLOCK, k.div_ceil(KT));
         let mut got = vec![7u16; tp * kb * KT];
-        pack_rows(&x, t, k, tp, &mut got);
+        pack_rows(&x, t, k, tp, &mut got, Input::AsIs);
         for i in 0..tp {
             for p in 0..kb * KT {
                 let g = got[(i / TT) * kb * TILE + (p / KT) * TILE + (i % TT) * KT + p % KT];
@@ -70,6 +70,28 @@ proptest! {
                 }
             }
         }
+    }
+
+    /// GELU while packing gives exactly the tiles of GELU first, then
+    /// packing (the vectorised `gelu` computes what the scalar one does),
+    /// and `forward_gelu` exactly `forward` of `gelu_erf(x)`.
+    #[test]
+    fn gelu_while_packing_is_gelu_then_packing(t in 1usize..40, k in 1usize..90, n in 1usize..40, seed in 0u64..1000) {
+        let x: Vec<f32> = values(t * k, seed).iter().map(|v| v * 6.0).collect();
+        let mut g = x.clone();
+        crate::nn::gelu_erf(&mut g);
+        let (tp, kb) = (t.div_ceil(BLOCK) * BLOCK, k.div_ceil(KT));
+        let mut fused = vec![7u16; tp * kb * KT];
+        let mut plain = vec![9u16; tp * kb * KT];
+        pack_rows(&x, t, k, tp, &mut fused, Input::Gelu);
+        pack_rows(&g, t, k, tp, &mut plain, Input::AsIs);
+        prop_assert_eq!(&fused, &plain);
+        let layer = Bf16Linear::new(&values(n * k, seed + 1), &values(n, seed + 2), n, k);
+        let mut a = vec![f32::NAN; t * n];
+        let mut b = vec![f32::NAN; t * n];
+        layer.forward_gelu(&mut a, &x, t);
+        layer.forward(&mut b, &g, t);
+        prop_assert_eq!(a, b, "{}", path());
     }
 
     /// The tiles and the scalar reference agree on odd shapes: row tails

@@ -9,13 +9,17 @@
 //! - Q, K and V in one matrix multiply (weights concatenated at load);
 //! - bias adds fused into the multiply, buffers reused across layers;
 //! - GELU with a branch-free erf (max error 4.2e-7) instead of libm's;
+//! - attention's scores scaled inside the softmax, each row padded with
+//!   `-inf` to a multiple of 16 so it has no scalar tail; each residual add
+//!   fused into the layer norm after it;
 //! - at [`Precision::Int16`] or [`Precision::Int8`], the four Linear layers of
 //!   each block on integer weights (per output channel) and activations (per
 //!   token), summed exactly in i32 by AVX-512 VNNI (`steamrf_kernels::quant`);
 //!   embeddings, attention, layer norm, softmax, GELU and pooling stay f32;
 //! - at [`Precision::Bf16`], the same four layers on bf16 weights and
 //!   activations, multiplied on AMX tiles with f32 sums
-//!   (`steamrf_kernels::bf16`); the rest as above. (Attention's two small
+//!   (`steamrf_kernels::bf16`), the FFN's GELU applied as its output is
+//!   rounded for the next layer; the rest as above. (Attention's two small
 //!   products on tiles too, one head at a time, measured slower: 639
 //!   against 903 sentences/s.)
 //!
@@ -27,7 +31,8 @@ use candle_transformers::models::bert::Config as BertConfig;
 use safetensors::SafeTensors;
 use steamrf_kernels::bf16::Bf16Linear;
 use steamrf_kernels::nn::{
-    MatMut, MatRef, add_assign, gelu_erf, layer_norm, linear, matmul, softmax_rows,
+    MatMut, MatRef, add_assign, add_layer_norm, gelu_erf, layer_norm, linear, matmul,
+    softmax_rows_scaled,
 };
 use steamrf_kernels::quant::{Format, QuantLinear};
 
@@ -53,6 +58,19 @@ impl Dense {
             Precision::Int8 => Self::Quant(QuantLinear::new(Format::Int8, &w, &b, n, k)),
             Precision::Bf16 => Self::Bf16(Bf16Linear::new(&w, &b, n, k)),
             Precision::F32 | Precision::Auto => Self::F32 { w, b, n, k },
+        }
+    }
+
+    /// `out = gelu(x) · wᵀ + b`, where `x` is free to be overwritten: bf16
+    /// applies GELU as it packs `x` (one pass over it fewer), the other
+    /// formats in place first.
+    pub(super) fn apply_gelu(&self, out: &mut [f32], x: &mut [f32], t: usize) {
+        match self {
+            Self::Bf16(l) => l.forward_gelu(out, x, t),
+            _ => {
+                gelu_erf(x);
+                self.apply(out, x, t);
+            }
         }
     }
 
@@ -294,7 +312,10 @@ impl NativeBert {
         let mut ctx = vec![0.0f32; total * h];
         let mut attn = vec![0.0f32; total * h];
         let mut inter = vec![0.0f32; total * self.inter];
-        let mut scores = vec![0.0f32; longest * longest];
+        // A sequence's scores, each row padded to a multiple of 16 with
+        // -inf (per head, below) so the softmax runs without a scalar tail;
+        // the product with V never reads the padding.
+        let mut scores = vec![0.0f32; longest * longest.next_multiple_of(16)];
         let scale = 1.0 / (dh as f32).sqrt();
         for layer in &self.layers {
             layer.qkv.apply(&mut qkv, &x, total);
@@ -305,19 +326,21 @@ impl NativeBert {
                     continue;
                 }
                 let base = start * 3 * h;
+                let padded = len.next_multiple_of(16);
+                let sc = &mut scores[..len * padded];
                 for head in 0..self.heads {
                     let q = MatRef::new(&qkv[base + head * dh..], len, dh, 3 * h, 1);
                     let k = MatRef::new(&qkv[base + h + head * dh..], len, dh, 3 * h, 1);
                     let v = MatRef::new(&qkv[base + 2 * h + head * dh..], len, dh, 3 * h, 1);
-                    let sc = &mut scores[..len * len];
-                    matmul(MatMut::dense(sc, len, len), q, k.t(), false);
-                    for v in sc.iter_mut() {
-                        *v *= scale;
+                    matmul(MatMut::new(sc, len, len, padded, 1), q, k.t(), false);
+                    // Again per head: the last head's softmax overwrote them.
+                    for row in sc.chunks_exact_mut(padded) {
+                        row[len..].fill(f32::NEG_INFINITY);
                     }
-                    softmax_rows(sc, len);
+                    softmax_rows_scaled(sc, padded, scale);
                     matmul(
                         MatMut::new(&mut ctx[start * h + head * dh..], len, dh, h, 1),
-                        MatRef::dense(sc, len, len),
+                        MatRef::new(sc, len, len, padded, 1),
                         v,
                         false,
                     );
@@ -325,13 +348,10 @@ impl NativeBert {
                 start += len;
             }
             layer.attn_out.apply(&mut attn, &ctx, total);
-            add_assign(&mut attn, &x);
-            layer_norm(&mut attn, &layer.ln1_g, &layer.ln1_b, self.eps);
+            add_layer_norm(&mut attn, &x, &layer.ln1_g, &layer.ln1_b, self.eps);
             layer.inter.apply(&mut inter, &attn, total);
-            gelu_erf(&mut inter);
-            layer.out.apply(&mut x, &inter, total);
-            add_assign(&mut x, &attn);
-            layer_norm(&mut x, &layer.ln2_g, &layer.ln2_b, self.eps);
+            layer.out.apply_gelu(&mut x, &mut inter, total);
+            add_layer_norm(&mut x, &attn, &layer.ln2_g, &layer.ln2_b, self.eps);
         }
         Ok(x)
     }

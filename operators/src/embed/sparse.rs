@@ -18,7 +18,7 @@
 
 use std::path::Path;
 
-use steamrf_kernels::nn::{MatMut, MatRef, matmul};
+use steamrf_kernels::nn::{MatMut, MatRef, matmul, max_of, max_rows_into};
 use tokenizers::Tokenizer;
 
 use super::minilm::{Precision, load_err, read_config, read_tokenizer};
@@ -295,12 +295,10 @@ impl Splade {
                     layers[b].apply(block, &x, total);
                     let mut t = 0;
                     for (r, s) in seqs.iter().enumerate() {
-                        let dst = &mut best[r * n..(r + 1) * n];
-                        for row in block[t * n..(t + s.len()) * n].chunks_exact(n) {
-                            for (d, v) in dst.iter_mut().zip(row) {
-                                *d = d.max(*v);
-                            }
-                        }
+                        max_rows_into(
+                            &mut best[r * n..(r + 1) * n],
+                            &block[t * n..(t + s.len()) * n],
+                        );
                         t += s.len();
                     }
                 }
@@ -315,10 +313,7 @@ impl Splade {
                         let bias = self.head.bias[lo + j];
                         let mut t = 0;
                         for (r, s) in seqs.iter().enumerate() {
-                            let m = row[t..t + s.len()]
-                                .iter()
-                                .fold(f32::NEG_INFINITY, |a, &v| a.max(v));
-                            best[r * n + j] = m + bias;
+                            best[r * n + j] = max_of(&row[t..t + s.len()]) + bias;
                             t += s.len();
                         }
                     }
