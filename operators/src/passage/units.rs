@@ -98,6 +98,9 @@ pub struct UnitParams {
     pub sparse_weight: f32,
     /// Windows fetched from each side per unit asked for.
     pub expand: usize,
+    /// Units one row (session) may give an answer at most; 0: no cap. A
+    /// window that continues the unit taken just before still joins it.
+    pub per_row: usize,
 }
 
 impl Default for UnitParams {
@@ -107,6 +110,7 @@ impl Default for UnitParams {
             lexical_weight: 1.0,
             sparse_weight: 1.5,
             expand: 4,
+            per_row: 0,
         }
     }
 }
@@ -291,7 +295,7 @@ pub fn retrieve_units_until(
         .collect();
     scored.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.window.cmp(&b.window)));
     Ok(UnitAnswer {
-        hits: take_units(scored, budget),
+        hits: take_units(scored, budget, u.per_row),
         dense,
         lexical_only,
         sparse_only,
@@ -346,8 +350,12 @@ fn add_top(
 /// the unit taken just before when they continue it (consecutive ranks in
 /// one place of a session read as one passage), else they are a unit of
 /// their own.
-fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
+fn take_units(windows: Vec<UnitHit>, budget: UnitBudget, per_row: usize) -> Vec<UnitHit> {
     let mut out: Vec<UnitHit> = Vec::new();
+    let mut per: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+    let full = |per: &std::collections::HashMap<u32, usize>, row: u32| {
+        per_row > 0 && per.get(&row).copied().unwrap_or(0) >= per_row
+    };
     let mut handed: HashSet<(u32, u32)> = HashSet::new();
     let mut whole: HashSet<u32> = HashSet::new();
     let mut turns = 0usize;
@@ -358,10 +366,11 @@ fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
         let left = budget.turns - turns;
         if w.end == 0 {
             // A row without turns: once, as one turn.
-            if out.len() >= budget.units || !whole.insert(w.row) {
+            if out.len() >= budget.units || full(&per, w.row) || !whole.insert(w.row) {
                 continue;
             }
             turns += 1;
+            *per.entry(w.row).or_default() += 1;
             out.push(w);
             continue;
         }
@@ -383,8 +392,11 @@ fn take_units(windows: Vec<UnitHit>, budget: UnitBudget) -> Vec<UnitHit> {
         let continues = out
             .last()
             .is_some_and(|u| u.row == w.row && u.end > 0 && (u.end == lo || hi == u.start));
-        if !continues && out.len() >= budget.units {
+        if !continues && (out.len() >= budget.units || full(&per, w.row)) {
             continue;
+        }
+        if !continues {
+            *per.entry(w.row).or_default() += 1;
         }
         for t in lo..hi {
             handed.insert((w.row, t));
@@ -459,6 +471,7 @@ mod tests {
             lexical_weight: 1.0,
             sparse_weight: 0.0,
             expand: 4,
+            per_row: 0,
         };
         let budget = UnitBudget {
             units: 3,
@@ -529,6 +542,7 @@ mod tests {
             lexical_weight: 0.0,
             sparse_weight: 2.0,
             expand: 1,
+            per_row: 0,
         };
         let budget = UnitBudget {
             units: 2,
@@ -597,6 +611,7 @@ mod tests {
                 w(0, 1, 4, 0.5),
             ],
             all,
+            0,
         );
         // 5..8 hands over only turn 7, at its rank; 1..4 its own turns.
         assert_eq!(
@@ -606,13 +621,66 @@ mod tests {
         assert_eq!(got[0].score, 0.9);
         // Consecutive ranks in one place of a session are one unit, and a
         // later window continuing the last unit joins it.
-        let got = take_units(vec![w(2, 0, 3, 0.9), w(2, 1, 4, 0.8), w(2, 2, 5, 0.7)], all);
+        let got = take_units(
+            vec![w(2, 0, 3, 0.9), w(2, 1, 4, 0.8), w(2, 2, 5, 0.7)],
+            all,
+            0,
+        );
         assert_eq!(spans(&got), [(2, 0, 5)]);
-        let got = take_units(vec![w(2, 0, 3, 0.9), w(2, 5, 8, 0.8), w(2, 3, 6, 0.7)], all);
+        let got = take_units(
+            vec![w(2, 0, 3, 0.9), w(2, 5, 8, 0.8), w(2, 3, 6, 0.7)],
+            all,
+            0,
+        );
         assert_eq!(
             spans(&got),
             [(2, 0, 3), (2, 3, 8)],
             "no turn is handed over twice"
+        );
+    }
+
+    #[test]
+    fn a_row_gives_at_most_per_row_units() {
+        let all = UnitBudget {
+            units: 10,
+            turns: 100,
+        };
+        let windows = || {
+            vec![
+                w(0, 0, 3, 0.9),
+                w(0, 10, 13, 0.8),
+                w(1, 0, 3, 0.7),
+                w(0, 3, 6, 0.6),
+                w(0, 20, 23, 0.5),
+                w(2, 4, 7, 0.4),
+            ]
+        };
+        // Capped at one: row 0's later places are skipped (3..6 comes after
+        // row 1's unit, so it would be a second unit of row 0, not a
+        // continuation).
+        assert_eq!(
+            spans(&take_units(windows(), all, 1)),
+            [(0, 0, 3), (1, 0, 3), (2, 4, 7)]
+        );
+        assert_eq!(
+            spans(&take_units(windows(), all, 2)),
+            [(0, 0, 3), (0, 10, 13), (1, 0, 3), (2, 4, 7)]
+        );
+        assert_eq!(
+            spans(&take_units(windows(), all, 0)),
+            [
+                (0, 0, 3),
+                (0, 10, 13),
+                (1, 0, 3),
+                (0, 3, 6),
+                (0, 20, 23),
+                (2, 4, 7)
+            ]
+        );
+        // A window continuing the unit just taken joins it under any cap.
+        assert_eq!(
+            spans(&take_units(vec![w(0, 0, 3, 0.9), w(0, 1, 4, 0.8)], all, 1)),
+            [(0, 0, 4)]
         );
     }
 
@@ -624,6 +692,7 @@ mod tests {
                 units: 10,
                 turns: 5,
             },
+            0,
         );
         assert_eq!(spans(&got), [(0, 0, 3), (1, 5, 7)]);
         assert_eq!(got.iter().map(UnitHit::turns).sum::<usize>(), 5);
@@ -633,6 +702,7 @@ mod tests {
                 units: 2,
                 turns: 30,
             },
+            0,
         );
         assert_eq!(few.len(), 2, "at most `units` units");
     }
@@ -645,6 +715,7 @@ mod tests {
                 units: 10,
                 turns: 10,
             },
+            0,
         );
         assert_eq!(got.len(), 2);
         assert_eq!(got.iter().map(UnitHit::turns).sum::<usize>(), 3);

@@ -770,6 +770,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     turns: window_turns,
                 },
                 tune_noise,
+                serve: config.serve,
             })
             .await
             .context("eval rfmem")?;

@@ -21,10 +21,11 @@ use std::time::Instant;
 
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
-use steamrf_operators::embed::normalize;
-use steamrf_operators::lexical::{Bm25Index, Bm25Params};
+use steamrf_operators::embed::{SparseVec, Splade, normalize};
+use steamrf_operators::lexical::{Bm25Index, Bm25Params, SparseIndex};
 use steamrf_operators::passage::{
-    self, HybridParams, PassageIndex, WindowParams, header, render, windows,
+    self, HybridParams, PassageIndex, UnitBudget, UnitParams, Units, WindowParams, header, render,
+    windows,
 };
 use steamrf_operators::rfmem::{Mode, Path, RfMemParams, VectorStore};
 use steamrf_pipelines::error::{Error, Result};
@@ -145,6 +146,11 @@ pub(super) struct HybridUser {
     pub by_head: PassageIndex,
     /// Whole items only, no windows, no lexical side: plain top-k.
     pub plain: PassageIndex,
+    /// What `steamrf serve` answers from a corpus of sessions: the turn-mean
+    /// rows, their windows as evidence units (each with its turns, BM25
+    /// over its own text and, with a sparse encoder, its turns' SPLADE
+    /// vectors max-pooled), ranked by [`passage::retrieve_units_until`].
+    pub by_units: PassageIndex,
 }
 
 fn store(rows: Vec<f32>, dim: usize) -> Result<VectorStore> {
@@ -170,6 +176,7 @@ fn internal(e: impl std::fmt::Display) -> Error {
 /// vectors (row-major).
 pub(super) async fn build(
     embedder: &std::sync::Arc<dyn steamrf_operators::embed::Embedder>,
+    sparse: Option<&Splade>,
     segments: Vec<Vec<String>>,
     items: &[Vec<Unit>],
     item_vectors: &[Vec<f32>],
@@ -200,6 +207,14 @@ pub(super) async fn build(
             source: Box::new(e),
         })
     };
+    // Each turn's learned sparse vector, as the pipeline stores it.
+    let turn_sparse: Vec<SparseVec> = match sparse {
+        Some(enc) => {
+            let refs: Vec<&str> = turn_texts.iter().map(String::as_str).collect();
+            tokio::task::block_in_place(|| enc.encode(&refs)).map_err(internal)?
+        }
+        None => vec![SparseVec::default(); turn_texts.len()],
+    };
     let tv = emb(turn_texts).await?;
     let wv = emb(window_texts).await?;
     let hv = emb(head_texts).await?;
@@ -223,7 +238,24 @@ pub(super) async fn build(
         h_at += user.len();
         let mut wins = Vec::new();
         let mut owner = Vec::new();
+        // Per window, as the service's cache builds its units: its turns,
+        // its turns' text for BM25, its turns' sparse vectors max-pooled.
+        let mut spans = Vec::new();
+        let mut unit_texts = Vec::new();
+        let mut unit_sparse = Vec::new();
         for (i, unit) in user.iter().enumerate() {
+            for r in windows(unit.turns.len(), w) {
+                spans.push((r.start as u32, r.end as u32));
+                unit_texts.push(unit.turns[r.clone()].join("\n"));
+                unit_sparse.push(SparseVec::max_of(
+                    &turn_sparse[t_at + r.start..t_at + r.end],
+                ));
+            }
+            if unit.turns.is_empty() {
+                spans.push((0, 0));
+                unit_texts.push(String::new());
+                unit_sparse.push(SparseVec::default());
+            }
             let mut v = vec![0.0f32; dim];
             for t in 0..unit.turns.len() {
                 let x = &tv.vectors[(t_at + t) * dim..(t_at + t + 1) * dim];
@@ -263,6 +295,21 @@ pub(super) async fn build(
             )
             .map_err(internal)
         };
+        let mut units = Units::new(
+            spans,
+            Some(Bm25Index::new(&unit_texts, Bm25Params::default())),
+        );
+        if unit_sparse.iter().any(|v| !v.is_empty()) {
+            units = units.with_sparse(SparseIndex::new(&unit_sparse));
+        }
+        let by_units = PassageIndex::new(
+            store(rows.clone(), dim)?,
+            store(wins.clone(), dim)?,
+            owner.clone(),
+            None,
+        )
+        .and_then(|ix| ix.with_units(units))
+        .map_err(internal)?;
         let by_turns = with_rows(rows)?;
         let by_item = with_rows(item_vecs.clone())?;
         let by_windows = with_rows(window_means)?;
@@ -281,6 +328,7 @@ pub(super) async fn build(
             by_windows,
             by_head,
             plain,
+            by_units,
         });
     }
     Ok(users)
@@ -368,6 +416,84 @@ pub(super) fn run(
         }
     }
     Ok(out)
+}
+
+/// What the service's defaults answer (`[serve.units]`, `[serve.rfmem]`,
+/// `serve.max_turns`), per question.
+pub(super) struct Served<'a> {
+    pub units: &'a UnitParams,
+    pub rf: &'a RfMemParams,
+    pub max_turns: usize,
+}
+
+/// Per-question results of the served path, and the turns each K = 10
+/// answer hands over.
+pub(super) struct ServedRun {
+    pub scores: PerQuestion,
+    pub turns: Vec<f64>,
+}
+
+/// Runs the served path at K = 5 and K = 10 over every question: `k`
+/// evidence units under the turn budget, scored by the items (sessions)
+/// they come from, in the order the units first name them. `sparse[i]` is
+/// question `i`'s SPLADE vector (none without an encoder).
+pub(super) fn run_units(
+    users: &[HybridUser],
+    qs: &[Q<'_>],
+    sparse: &[Option<SparseVec>],
+    served: &Served<'_>,
+    score: Metric,
+) -> Result<ServedRun> {
+    let mut out = ServedRun {
+        scores: PerQuestion::default(),
+        turns: Vec::new(),
+    };
+    for (i, q) in qs.iter().enumerate() {
+        let u = &users[q.user];
+        for k in [5, 10] {
+            let a = passage::retrieve_units_until(
+                &u.by_units,
+                q.vector,
+                Some(q.text),
+                sparse.get(i).and_then(Option::as_ref),
+                &RfMemParams { k, ..*served.rf },
+                served.units,
+                UnitBudget {
+                    units: k,
+                    turns: served.max_turns,
+                },
+                &|| false,
+            )
+            .map_err(internal)?;
+            let ids = sessions_of(&a.hits, &u.segments);
+            let (r, n) = score(&ids, q.truth);
+            if k == 5 {
+                out.scores.r5.push(r);
+            } else {
+                out.scores.r10.push(r);
+                out.scores.n10.push(n);
+                out.scores
+                    .recollected
+                    .push(a.dense.path == Path::Recollection);
+                out.turns
+                    .push(a.hits.iter().map(|h| h.turns()).sum::<usize>() as f64);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The sessions (segment ids) an answer's units come from, each once, in
+/// the order the units first name them.
+fn sessions_of<'a>(hits: &[passage::UnitHit], segments: &'a [String]) -> Vec<&'a str> {
+    let mut ids: Vec<&str> = Vec::new();
+    for h in hits {
+        let id = segments[h.row as usize].as_str();
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
 }
 
 /// The sweep: row vector × mix × lexical weight, familiarity; then the
@@ -480,6 +606,25 @@ pub(super) fn quantiles(xs: &mut [f32]) -> BTreeMap<&'static str, f32> {
 mod tests {
     use super::*;
     use crate::eval::pyjson;
+
+    #[test]
+    fn units_are_scored_by_their_sessions_once_each_in_order() {
+        let hit = |row: u32, start: u32| passage::UnitHit {
+            row,
+            start,
+            end: start + 3,
+            window: 0,
+            score: 1.0,
+            dense: 1.0,
+            lexical: 0.0,
+            sparse: 0.0,
+            round: 0,
+        };
+        let segments: Vec<String> = ["s0", "s1", "s2"].map(String::from).to_vec();
+        let hits = [hit(2, 0), hit(0, 4), hit(2, 9), hit(1, 0), hit(0, 0)];
+        assert_eq!(sessions_of(&hits, &segments), ["s2", "s0", "s1"]);
+        assert!(sessions_of(&[], &segments).is_empty());
+    }
 
     #[test]
     fn sessions_become_headed_turns_in_the_official_order() {

@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
+use steamrf_operators::embed::SparseVec;
 use steamrf_operators::rfmem::{self, Mode, RfMemParams, VectorStore};
 use steamrf_pipelines::config::EmbedConfig;
 use steamrf_pipelines::error::{Error, Result};
@@ -42,6 +43,9 @@ pub struct RfMemEval {
     pub window: steamrf_operators::passage::WindowParams,
     /// The noise level the hybrid parameters are chosen on.
     pub tune_noise: String,
+    /// The service's configuration: its evidence units (`[serve.units]`,
+    /// `[serve.rfmem]`, `max_turns`) are scored as they are, unfitted.
+    pub serve: steamrf_pipelines::config::ServeConfig,
 }
 
 struct Question {
@@ -367,8 +371,10 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         .iter()
         .map(|s| docs.vectors[s.start * dim..s.end * dim].to_vec())
         .collect();
+    let sparse = steamrf_pipelines::embed::sparse_encoder(&e.embed)?;
     let hybrid_users = passages::build(
         &embedder,
+        sparse.as_deref(),
         user_segments.clone(),
         &user_units,
         &item_vectors,
@@ -396,6 +402,7 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         ));
         let users = passages::build(
             &embedder,
+            sparse.as_deref(),
             d.user_segments,
             &d.user_units,
             &item_vectors,
@@ -550,6 +557,15 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         },
     );
     let hybrid = hybrid_section(&test, &tune, dim, &mut table)?;
+    let units = units_section(
+        &e.serve,
+        sparse.as_deref(),
+        &test,
+        &tune,
+        dim,
+        &hybrid,
+        &mut table,
+    )?;
     let file = super::write_table(
         &e.out,
         &format!("rfmem-personabench-noise{}.md", e.noise),
@@ -566,7 +582,7 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         started.elapsed().as_secs_f64()
     ));
     out.push(format!(
-        "RESULT noise={} recall5={:.4} recall10={:.4} ndcg10={:.4} tuned_on=noise{} familiarity_recall10={f10:.4} official_rfmem_recall5={:.4} official_rfmem_recall10={:.4} recall10_ci95_low={:.4} recall10_ci95_high={:.4} delta10={:.4} delta10_ci95_low={:.4} delta10_ci95_high={:.4}",
+        "RESULT noise={} recall5={:.4} recall10={:.4} ndcg10={:.4} tuned_on=noise{} familiarity_recall10={f10:.4} official_rfmem_recall5={:.4} official_rfmem_recall10={:.4} recall10_ci95_low={:.4} recall10_ci95_high={:.4} delta10={:.4} delta10_ci95_low={:.4} delta10_ci95_high={:.4} units_recall5={:.4} units_recall10={:.4} units_recall10_ci95_low={:.4} units_recall10_ci95_high={:.4} units_delta10_vs_rows={:.4} units_delta10_ci95_low={:.4} units_delta10_ci95_high={:.4} units_turns_per_answer={:.1} units_tune_recall10={:.4}",
         e.noise,
         hybrid.r5,
         hybrid.r10.0,
@@ -579,7 +595,132 @@ pub async fn rfmem(e: RfMemEval) -> Result<Vec<String>> {
         hybrid.delta.0,
         hybrid.delta.1,
         hybrid.delta.2,
+        units.r5,
+        units.r10.0,
+        units.r10.1,
+        units.r10.2,
+        units.delta.0,
+        units.delta.1,
+        units.delta.2,
+        units.turns,
+        units.tune_r10,
     ));
+    Ok(out)
+}
+
+/// The served answer's headline on the test split.
+struct Served {
+    r5: f64,
+    r10: (f64, f64, f64),
+    /// Recall@10 minus the row path's declared configuration, paired.
+    delta: (f64, f64, f64),
+    /// Turns handed over per K = 10 answer.
+    turns: f64,
+    tune_r10: f64,
+}
+
+/// Scores what `steamrf serve` answers from these sessions with its
+/// configuration as it is (`[serve.units]`, fitted on LoCoMo's development
+/// half, not here): windows ranked as evidence units, an answer scored by
+/// the items its units come from. Appends its table to `table`.
+fn units_section(
+    serve: &steamrf_pipelines::config::ServeConfig,
+    sparse: Option<&steamrf_operators::embed::Splade>,
+    test: &Split<'_>,
+    tune: &Split<'_>,
+    dim: usize,
+    rows: &Hybrid,
+    table: &mut String,
+) -> Result<Served> {
+    let served = passages::Served {
+        units: &serve.units,
+        rf: &serve.rfmem,
+        max_turns: serve.max_turns,
+    };
+    let encode = |split: &Split<'_>| -> Result<Vec<Option<SparseVec>>> {
+        let Some(enc) = sparse else {
+            return Ok(vec![None; split.questions.len()]);
+        };
+        let texts: Vec<&str> = split.questions.iter().map(|q| q.text.as_str()).collect();
+        let v =
+            tokio::task::block_in_place(|| enc.encode(&texts)).map_err(|e| Error::Internal {
+                message: format!("sparse-encoding the questions: {e}"),
+            })?;
+        Ok(v.into_iter().map(Some).collect())
+    };
+    let (test_sparse, tune_sparse) = (encode(test)?, encode(tune)?);
+    let on_test = passages::run_units(test.users, &test.qs(dim), &test_sparse, &served, score)?;
+    let on_tune = passages::run_units(tune.users, &tune.qs(dim), &tune_sparse, &served, score)?;
+    let diff: Vec<f64> = on_test
+        .scores
+        .r10
+        .iter()
+        .zip(&rows.per_question)
+        .map(|(a, b)| a - b)
+        .collect();
+    let out = Served {
+        r5: avg(&on_test.scores.r5),
+        r10: super::bootstrap_ci(&on_test.scores.r10, 17),
+        delta: super::bootstrap_ci(&diff, 17),
+        turns: avg(&on_test.turns),
+        tune_r10: avg(&on_tune.scores.r10),
+    };
+    let recollected = |r: &passages::ServedRun| r.scores.recollected.iter().filter(|x| **x).count();
+    // The cap on units per session, the one knob that trades LoCoMo's
+    // evidence turns against sessions covered: a sweep on both splits.
+    let mut sweep = String::from(
+        "\n| `[serve.units] per_row` | tuning R@10 | test R@10 | test turns per answer |\n| --- | ---: | ---: | ---: |\n",
+    );
+    for per_row in [0usize, 1, 2, 3] {
+        let units = steamrf_operators::passage::UnitParams {
+            per_row,
+            ..serve.units
+        };
+        let at = passages::Served {
+            units: &units,
+            ..served
+        };
+        let t = passages::run_units(test.users, &test.qs(dim), &test_sparse, &at, score)?;
+        let v = passages::run_units(tune.users, &tune.qs(dim), &tune_sparse, &at, score)?;
+        sweep.push_str(&format!(
+            "| {per_row}{} | {:.4} | {:.4} | {:.1} |\n",
+            if per_row == serve.units.per_row {
+                " (configured)"
+            } else {
+                ""
+            },
+            avg(&v.scores.r10),
+            avg(&t.scores.r10),
+            avg(&t.turns),
+        ));
+    }
+    table.push_str(&format!(
+        "\nThe served answer: for sessions with windows `steamrf serve` ranks the windows themselves as evidence units (`[serve.units]`: mix {:.2}, lexical {:.2}, sparse {:.2}{}; `[serve.rfmem]` {:?}; at most {} turns), so this is what an agent asking `/v1/retrieve` for K units gets. Scored by the items its units come from, in the order they first appear; nothing here is fitted on PersonaBench (the weights come from LoCoMo's development half).\n\n| split | Recall@5 | Recall@10 | NDCG@10 | R@10 95% CI | Δ R@10 vs the row path above (95% CI) | turns per answer | recollected |\n| --- | ---: | ---: | ---: | --- | --- | ---: | ---: |\n| test | {:.4} | **{:.4}** | {:.4} | {:.4} – {:.4} | {:+.4} ({:+.4} – {:+.4}) | {:.1} | {} of {} |\n| tuning | {:.4} | {:.4} | {:.4} | | | {:.1} | {} of {} |\n",
+        serve.units.mix,
+        serve.units.lexical_weight,
+        serve.units.sparse_weight,
+        if sparse.is_some() { "" } else { ", no sparse encoder configured" },
+        serve.rfmem.mode,
+        serve.max_turns,
+        out.r5,
+        out.r10.0,
+        avg(&on_test.scores.n10),
+        out.r10.1,
+        out.r10.2,
+        out.delta.0,
+        out.delta.1,
+        out.delta.2,
+        out.turns,
+        recollected(&on_test),
+        on_test.scores.r10.len(),
+        avg(&on_tune.scores.r5),
+        out.tune_r10,
+        avg(&on_tune.scores.n10),
+        avg(&on_tune.turns),
+        recollected(&on_tune),
+        on_tune.scores.r10.len(),
+    ));
+    table.push_str(&sweep);
     Ok(out)
 }
 
@@ -591,6 +732,8 @@ struct Hybrid {
     n10: f64,
     /// Recall@10 minus top-k over whole items, paired over questions.
     delta: (f64, f64, f64),
+    /// Recall@10 of each test question.
+    per_question: Vec<f64>,
 }
 
 /// One noise level's indexes and questions.
@@ -757,6 +900,7 @@ fn hybrid_section(
         r10: super::bootstrap_ci(&pick.r10, 17),
         n10: avg(&pick.n10),
         delta: super::bootstrap_ci(&diff, 17),
+        per_question: pick.r10.clone(),
     };
     table.push_str(&format!(
         "\nDeclared configuration (chosen on the tuning split): {}. Test: Recall@5 {:.4}, Recall@10 {:.4} [95% CI {:.4}, {:.4}], NDCG@10 {:.4}; against top-k over whole items ({:.4}): {:+.4} [{:+.4}, {:+.4}] (paired bootstrap over questions, 1,000 resamples).\n",
