@@ -164,6 +164,11 @@ pub struct RetrieveRequest {
     /// most `serve.max_k`).
     #[serde(default)]
     pub max_turns: Option<usize>,
+    /// Evidence units one session may give at most (default: `[serve.units]
+    /// per_row`; 0: no cap). 1 spreads the answer over as many sessions as
+    /// it can, with fewer turns of each.
+    #[serde(default)]
+    pub per_session: Option<usize>,
     /// RF-Mem overrides, by name (`mode`, `alpha`, `tau`, …); the service
     /// checks them against its parameters.
     #[serde(default)]

@@ -175,6 +175,12 @@ struct RetrieveArgs {
     /// server's, usually 30).
     #[serde(default)]
     max_turns: Option<usize>,
+    /// At most this many results from one conversation (default: the
+    /// server's, usually no limit). 1 spreads the answer over as many
+    /// conversations as it can, e.g. for "in which conversations did she
+    /// mention X?".
+    #[serde(default)]
+    per_session: Option<usize>,
     /// How to search; leave it out to let the server decide ("adaptive").
     #[serde(default)]
     mode: Option<RetrieveMode>,
@@ -431,6 +437,7 @@ impl Tools {
                 query_vector: None,
                 k: args.k,
                 max_turns: args.max_turns,
+                per_session: args.per_session,
                 options,
                 collaborative: args.collaborative,
             };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use axum::extract::{Request, State};
 use axum::response::Response;
 use serde::Serialize;
-use steamrf_operators::passage::{self, UnitBudget};
+use steamrf_operators::passage::{self, UnitBudget, UnitParams};
 use steamrf_operators::rfmem::{self, RfMemParams};
 use steamrf_operators::steam::MemoryId;
 use steamrf_operators::steam::retrieve::{self as steam_retrieve, MemoryView, RecommendParams};
@@ -317,6 +317,10 @@ pub(super) async fn retrieve_as(
         }
         Some(n) => n,
     };
+    let units = UnitParams {
+        per_row: req.per_session.unwrap_or(st.cfg.units.per_row),
+        ..st.cfg.units
+    };
     let permit = st.admit()?;
     let gone = Arc::new(AtomicBool::new(false));
     let _gone_on_drop = SetOnDrop(gone.clone());
@@ -341,6 +345,7 @@ pub(super) async fn retrieve_as(
             &q,
             query_text.as_deref(),
             &p,
+            &units,
             max_turns,
             collaborative,
             embed_time,
@@ -360,6 +365,7 @@ pub(super) fn answer(
     q: &[f32],
     query_text: Option<&str>,
     p: &RfMemParams,
+    unit_params: &UnitParams,
     max_turns: usize,
     collaborative: bool,
     embed_time: Duration,
@@ -395,7 +401,7 @@ pub(super) fn answer(
             query_text,
             query_sparse.as_ref(),
             p,
-            &st.cfg.units,
+            unit_params,
             units,
             &|| budget.exhausted(),
         )

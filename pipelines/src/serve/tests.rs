@@ -72,10 +72,20 @@ fn steam_state() -> SteamState {
     steam
 }
 
+/// A user's passage windows: their vectors, each one's row and turns.
+#[derive(Clone, Default)]
+struct Windows {
+    vectors: Vec<f32>,
+    owner: Vec<u32>,
+    spans: Vec<(u32, u32)>,
+}
+
 /// The users' rows and memories, as the tables would give them.
 struct Fixed {
     steam: SteamState,
     corpora: HashMap<String, (Vec<Entry>, Vec<f32>)>,
+    /// Users whose sessions have passage windows (answered as units).
+    windows: HashMap<String, Windows>,
     /// Items each user interacted with, oldest first.
     histories: HashMap<String, Vec<String>>,
 }
@@ -99,13 +109,35 @@ impl Loader for Fixed {
                 entries.iter().map(|e| e.content.as_str()),
                 Default::default(),
             );
-            let index = passage::PassageIndex::new(
-                store(rows),
-                store(Vec::new()),
-                Vec::new(),
-                Some(lexical),
-            )
-            .unwrap();
+            let index = match self.windows.get(user_id).cloned() {
+                None => passage::PassageIndex::new(
+                    store(rows),
+                    store(Vec::new()),
+                    Vec::new(),
+                    Some(lexical),
+                )
+                .unwrap(),
+                // As the cache builds it: no row-level BM25, the windows'
+                // own text for the units'.
+                Some(w) => {
+                    let texts: Vec<&str> = w
+                        .owner
+                        .iter()
+                        .zip(&w.spans)
+                        .map(|(&r, &(a, b))| entries[r as usize].turns_text(a as usize, b as usize))
+                        .collect();
+                    let units = passage::Units::new(
+                        w.spans.clone(),
+                        Some(steamrf_operators::lexical::Bm25Index::new(
+                            texts,
+                            Default::default(),
+                        )),
+                    );
+                    passage::PassageIndex::new(store(rows), store(w.vectors), w.owner, None)
+                        .and_then(|ix| ix.with_units(units))
+                        .unwrap()
+                }
+            };
             Ok(UserData {
                 corpus: UserCorpus { entries, index },
                 memories: UserMemories {
@@ -160,11 +192,65 @@ fn fixed() -> Fixed {
     ];
     let mut rows = jazz(0.5);
     rows.extend(unit(&[(5, 1.0)]));
+    let (sessions, session_rows, windows) = two_sessions();
     Fixed {
         steam: steam_state(),
-        corpora: HashMap::from([("acme:ann".to_owned(), (entries, rows))]),
+        corpora: HashMap::from([
+            ("acme:ann".to_owned(), (entries, rows)),
+            ("acme:sam".to_owned(), (sessions, session_rows)),
+        ]),
+        windows: HashMap::from([("acme:sam".to_owned(), windows)]),
         histories: HashMap::from([("acme:ann".to_owned(), vec!["blue-train".to_owned()])]),
     }
+}
+
+/// acme:sam's two sessions: s0 (9 turns) with windows over turns 6..9
+/// (cosine 0.99 to axis 0) and 0..3 (0.90), s1 (3 turns) with one over
+/// 0..3 (0.95). Asked along axis 0, the windows rank s0 6..9, s1, s0 0..3.
+fn two_sessions() -> (Vec<Entry>, Vec<f32>, Windows) {
+    let session = |id: &str, turns: usize| {
+        let lines: Vec<String> = (0..turns).map(|t| format!("user: {id} turn {t}")).collect();
+        let mut ends = Vec::new();
+        let mut at = 0u32;
+        for l in &lines {
+            at += l.len() as u32;
+            ends.push(at);
+            at += 1;
+        }
+        Entry {
+            kind: EntryKind::Session,
+            id: id.into(),
+            content: lines.join("\n"),
+            table: "interactions",
+            source_event_ids: (0..turns).map(|t| format!("{id}-e{t}")).collect(),
+            source: Some((0, 1)),
+            windows: Vec::new(),
+            turn_ends: ends,
+        }
+    };
+    let (mut s0, mut s1) = (session("s0", 9), session("s1", 3));
+    let win = |id: &str, start: u32, end: u32| cache::Window {
+        event_id: format!("{id}-e{}", end - 1),
+        start,
+        end,
+    };
+    s0.windows = vec![win("s0", 6, 9), win("s0", 0, 3)];
+    s1.windows = vec![win("s1", 0, 3)];
+    let at = |cos: f32| unit(&[(0, cos), (7, (1.0 - cos * cos).sqrt())]);
+    let mut rows = unit(&[(0, 1.0)]);
+    rows.extend(at(0.9));
+    let mut vectors = at(0.99);
+    vectors.extend(at(0.90));
+    vectors.extend(at(0.95));
+    (
+        vec![s0, s1],
+        rows,
+        Windows {
+            vectors,
+            owner: vec![0, 0, 1],
+            spans: vec![(6, 9), (0, 3), (0, 3)],
+        },
+    )
 }
 
 /// The shared part: the catalogue and the published prototypes.
@@ -326,6 +412,64 @@ async fn retrieve_answers_with_provenance_explanation_and_the_community() {
     .await;
     assert_eq!(status, 200);
     assert!(v["items"].as_array().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn per_session_spreads_an_answer_over_sessions() {
+    let (base, _) = start(Auth::open(), false).await;
+    let q = qv(&unit(&[(0, 1.0)]));
+    let ask = |extra: Value| {
+        let mut body = json!({"user_id": "acme:sam", "query_vector": q, "k": 3,
+            "options": {"mode": "familiarity"}});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body.to_string()
+    };
+    let spans = |v: &Value| -> Vec<(String, u64, u64)> {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                (
+                    i["id"].as_str().unwrap().to_owned(),
+                    i["passage"]["start"].as_u64().unwrap(),
+                    i["passage"]["end"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let s = |id: &str, a, b| (id.to_owned(), a, b);
+    // The configured default (no cap): s0 gives two units.
+    let (status, v) = post(&base, "/v1/retrieve", None, &ask(json!({}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        spans(&v),
+        [s("s0", 6, 9), s("s1", 0, 3), s("s0", 0, 3)],
+        "{v}"
+    );
+    // One unit per session: s0's second place goes.
+    let (status, v) = post(&base, "/v1/retrieve", None, &ask(json!({"per_session": 1}))).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(spans(&v), [s("s0", 6, 9), s("s1", 0, 3)], "{v}");
+    assert_eq!(
+        v["items"][1]["provenance"]["source_event_ids"],
+        json!(["s1-e0", "s1-e1", "s1-e2"])
+    );
+    // 0 is no cap, as configured.
+    let (_, v) = post(&base, "/v1/retrieve", None, &ask(json!({"per_session": 0}))).await;
+    assert_eq!(spans(&v).len(), 3, "{v}");
+    // Not a count: a 400 naming the field.
+    let (status, v) = post(
+        &base,
+        "/v1/retrieve",
+        None,
+        &ask(json!({"per_session": -1})),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["field"], "per_session", "{v}");
 }
 
 #[tokio::test]
@@ -727,6 +871,7 @@ async fn readiness_waits_for_the_first_snapshot_and_openapi_is_served() {
             "k",
             "max_turns",
             "options",
+            "per_session",
             "query",
             "query_vector",
             "user_id"
