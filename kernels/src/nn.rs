@@ -236,19 +236,7 @@ fn layer_norm_body(x: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
 /// One row of a layer norm, given its mean.
 #[inline(always)]
 fn normalise(row: &mut [f32], mean: f32, gamma: &[f32], beta: &[f32], eps: f32) {
-    // Lane i % 16 of `sq` sums the squares of values i, i + 16, …; in
-    // whole chunks of 16, so it vectorises (an index modulo 16 did not).
-    let mut sq = [0.0f32; 16];
-    let chunks = row.chunks_exact(16);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, v) in sq.iter_mut().zip(c) {
-            *a += (v - mean) * (v - mean);
-        }
-    }
-    for (a, v) in sq.iter_mut().zip(rest) {
-        *a += (v - mean) * (v - mean);
-    }
+    let sq = lane_sums(row, |v| (v - mean) * (v - mean));
     let var = fold_lanes(sq, |a, b| a + b) / row.len() as f32;
     let inv = 1.0 / (var + eps).sqrt();
     for ((v, g), b) in row.iter_mut().zip(gamma).zip(beta) {
@@ -372,18 +360,25 @@ pub fn exp(x: f32) -> f32 {
 /// softmax over a 32-token sequence's scores).
 #[inline(always)]
 fn sum(x: &[f32]) -> f32 {
+    fold_lanes(lane_sums(x, |v| v), |a, b| a + b)
+}
+
+/// Lane `i % 16` sums `f` of values `i`, `i + 16`, …: in whole chunks of
+/// 16, so it vectorises (indexing lanes modulo 16 did not).
+#[inline(always)]
+fn lane_sums(x: &[f32], f: impl Fn(f32) -> f32) -> [f32; 16] {
     let mut acc = [0.0f32; 16];
     let chunks = x.chunks_exact(16);
     let rest = chunks.remainder();
     for c in chunks {
-        for (a, v) in acc.iter_mut().zip(c) {
-            *a += v;
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
         }
     }
-    for (a, v) in acc.iter_mut().zip(rest) {
-        *a += v;
+    for (a, &v) in acc.iter_mut().zip(rest) {
+        *a += f(v);
     }
-    fold_lanes(acc, |a, b| a + b)
+    acc
 }
 
 /// `acc`'s 16 lanes combined by `op` as a tree (8 with 8, 4 with 4, …).

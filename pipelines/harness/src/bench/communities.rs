@@ -218,6 +218,10 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             (synth.memory(topic), topic)
         }
     };
+    // Resident memory after each phase of building the writers' state: what
+    // each part of the state costs per memory.
+    let rss_at_start = rss_bytes("VmRSS:");
+    let mut phases: Vec<(&str, u64)> = Vec::new();
     let mut states: Vec<SteamState> = (0..writers)
         .map(|_| SteamState::new(params, b.dim))
         .collect();
@@ -244,6 +248,10 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         ),
         None => format!("synthetic memories in {topics} topics"),
     };
+    phases.push((
+        "memories (each with its embedding, items and facets)",
+        rss_bytes("VmRSS:"),
+    ));
     let held: Vec<usize> = states.iter().map(SteamState::len).collect();
     out.push(format!(
         "corpus: {} {corpus_kind}, {users} users{}, dim {}, generated in {:.1} s; {writers} writer(s) holding {held:?} memories, {threads} kernel thread(s) each",
@@ -264,12 +272,14 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "initial links ({initial}): {:.1} s",
         t.elapsed().as_secs_f64()
     ));
+    phases.push(("links", rss_bytes("VmRSS:")));
     let t = Instant::now();
     let mut published = 0;
     for state in &mut states {
         published += state.rebuild().prototypes.len();
     }
     let from_scratch_ms = t.elapsed().as_secs_f64() * 1e3;
+    phases.push(("communities, prototypes and tallies", rss_bytes("VmRSS:")));
     let (largest, median, p99, count) = sizes(&states);
     out.push(format!(
         "communities from scratch (cap {}): {from_scratch_ms:.0} ms; {count} communities, sizes median {median}, p99 {p99}, largest {largest}; {published} prototypes published",
@@ -292,6 +302,28 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         }
     }
     let warm_s = t.elapsed().as_secs_f64();
+    phases.push((
+        "relation index (corpus copy, IVF lists, int8 codes)",
+        rss_bytes("VmRSS:"),
+    ));
+    let mut before = rss_at_start;
+    let parts: Vec<String> = phases
+        .iter()
+        .map(|&(what, at)| {
+            let grew = at.saturating_sub(before);
+            before = at;
+            format!(
+                "{what} {:.0} MiB ({:.0} B per memory)",
+                grew as f64 / f64::from(1u32 << 20),
+                grew as f64 / b.memories.max(1) as f64
+            )
+        })
+        .collect();
+    out.push(format!(
+        "writer state by phase (growth of resident memory, so a phase's temporaries that malloc keeps count in it; {} B per memory is one f32 vector): {}",
+        b.dim * 4,
+        parts.join(", ")
+    ));
     let rss_mib = rss_bytes("VmRSS:") as f64 / (1u64 << 20) as f64;
     let vectors_mib = (b.memories * b.dim * 4) as f64 / (1u64 << 20) as f64;
     out.push(format!(
