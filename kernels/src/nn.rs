@@ -245,8 +245,8 @@ fn normalise(row: &mut [f32], mean: f32, gamma: &[f32], beta: &[f32], eps: f32) 
 }
 
 /// `x = layer_norm(x + y)` (a BERT block's residual and norm): the same
-/// values as [`add_assign`] then [`layer_norm`], in one pass over `x`
-/// fewer.
+/// values as [`add_assign`] then [`layer_norm`], row by row, so each row is
+/// still in L1 when it is normalised (one pass over `x` fewer).
 ///
 /// # Panics
 /// If `x` and `y` differ in length.
@@ -259,20 +259,10 @@ pub fn add_layer_norm(x: &mut [f32], y: &[f32], gamma: &[f32], beta: &[f32], eps
 fn add_layer_norm_body(x: &mut [f32], y: &[f32], gamma: &[f32], beta: &[f32], eps: f32) {
     let dim = gamma.len();
     for (row, res) in x.chunks_exact_mut(dim).zip(y.chunks_exact(dim)) {
-        // The sum as `sum` takes it: lane i % 16, then the same fold.
-        let mut acc = [0.0f32; 16];
-        for (c, r) in row.chunks_exact_mut(16).zip(res.chunks_exact(16)) {
-            for ((a, v), w) in acc.iter_mut().zip(c.iter_mut()).zip(r) {
-                *v += w;
-                *a += *v;
-            }
-        }
-        let whole = dim / 16 * 16;
-        for ((a, v), w) in acc.iter_mut().zip(&mut row[whole..]).zip(&res[whole..]) {
+        for (v, w) in row.iter_mut().zip(res) {
             *v += w;
-            *a += *v;
         }
-        let mean = fold_lanes(acc, |a, b| a + b) / dim as f32;
+        let mean = sum(row) / dim as f32;
         normalise(row, mean, gamma, beta, eps);
     }
 }

@@ -383,7 +383,7 @@ pub(super) fn answer(
         // The query's sparse vector, where the windows carry sparse vectors.
         let query_sparse = match (&st.sparse, query_text) {
             (Some(enc), Some(text))
-                if corpus.has_sparse_units() && st.cfg.units.sparse_weight > 0.0 =>
+                if corpus.has_sparse_units() && unit_params.sparse_weight > 0.0 =>
             {
                 let t = Instant::now();
                 let v = enc

@@ -244,17 +244,13 @@ pub(super) async fn build(
         let mut unit_texts = Vec::new();
         let mut unit_sparse = Vec::new();
         for (i, unit) in user.iter().enumerate() {
-            for r in windows(unit.turns.len(), w) {
+            let ranges = windows(unit.turns.len(), w);
+            for r in &ranges {
                 spans.push((r.start as u32, r.end as u32));
                 unit_texts.push(unit.turns[r.clone()].join("\n"));
                 unit_sparse.push(SparseVec::max_of(
                     &turn_sparse[t_at + r.start..t_at + r.end],
                 ));
-            }
-            if unit.turns.is_empty() {
-                spans.push((0, 0));
-                unit_texts.push(String::new());
-                unit_sparse.push(SparseVec::default());
             }
             let mut v = vec![0.0f32; dim];
             for t in 0..unit.turns.len() {
@@ -267,7 +263,7 @@ pub(super) async fn build(
             normalize(&mut v);
             rows.extend(v);
             t_at += unit.turns.len();
-            let n = windows(unit.turns.len(), w).len();
+            let n = ranges.len();
             let mut m = vec![0.0f32; dim];
             for x in wv.vectors[w_at * dim..(w_at + n) * dim].chunks_exact(dim) {
                 m.iter_mut().zip(x).for_each(|(a, b)| *a += b);
@@ -280,6 +276,10 @@ pub(super) async fn build(
                 m.copy_from_slice(item);
                 wins.extend_from_slice(item);
                 owner.push(i as u32);
+                // One unit of the whole row, as the service makes it.
+                spans.push((0, 0));
+                unit_texts.push(String::new());
+                unit_sparse.push(SparseVec::default());
             }
             normalize(&mut m);
             window_means.extend(m);

@@ -651,17 +651,10 @@ fn units_section(
     let (test_sparse, tune_sparse) = (encode(test)?, encode(tune)?);
     let on_test = passages::run_units(test.users, &test.qs(dim), &test_sparse, &served, score)?;
     let on_tune = passages::run_units(tune.users, &tune.qs(dim), &tune_sparse, &served, score)?;
-    let diff: Vec<f64> = on_test
-        .scores
-        .r10
-        .iter()
-        .zip(&rows.per_question)
-        .map(|(a, b)| a - b)
-        .collect();
     let out = Served {
         r5: avg(&on_test.scores.r5),
         r10: super::bootstrap_ci(&on_test.scores.r10, 17),
-        delta: super::bootstrap_ci(&diff, 17),
+        delta: paired_ci(&on_test.scores.r10, &rows.per_question),
         turns: avg(&on_test.turns),
         tune_r10: avg(&on_tune.scores.r10),
     };
@@ -672,16 +665,25 @@ fn units_section(
         "\n| `[serve.units] per_row` | tuning R@10 | test R@10 | test turns per answer |\n| --- | ---: | ---: | ---: |\n",
     );
     for per_row in [0usize, 1, 2, 3] {
-        let units = steamrf_operators::passage::UnitParams {
-            per_row,
-            ..serve.units
+        // The configured value's runs are the ones above.
+        let other;
+        let (t, v) = if per_row == serve.units.per_row {
+            (&on_test, &on_tune)
+        } else {
+            let units = steamrf_operators::passage::UnitParams {
+                per_row,
+                ..serve.units
+            };
+            let at = passages::Served {
+                units: &units,
+                ..served
+            };
+            other = (
+                passages::run_units(test.users, &test.qs(dim), &test_sparse, &at, score)?,
+                passages::run_units(tune.users, &tune.qs(dim), &tune_sparse, &at, score)?,
+            );
+            (&other.0, &other.1)
         };
-        let at = passages::Served {
-            units: &units,
-            ..served
-        };
-        let t = passages::run_units(test.users, &test.qs(dim), &test_sparse, &at, score)?;
-        let v = passages::run_units(tune.users, &tune.qs(dim), &tune_sparse, &at, score)?;
         sweep.push_str(&format!(
             "| {per_row}{} | {:.4} | {:.4} | {:.1} |\n",
             if per_row == serve.units.per_row {
@@ -756,6 +758,12 @@ impl Split<'_> {
             })
             .collect()
     }
+}
+
+/// `a − b`, question by question, with its 95% bootstrap interval.
+fn paired_ci(a: &[f64], b: &[f64]) -> (f64, f64, f64) {
+    let diff: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+    super::bootstrap_ci(&diff, 17)
 }
 
 fn avg(xs: &[f64]) -> f64 {
@@ -889,17 +897,11 @@ fn hybrid_section(
         },
         score,
     )?;
-    let diff: Vec<f64> = pick
-        .r10
-        .iter()
-        .zip(&plain.r10)
-        .map(|(a, b)| a - b)
-        .collect();
     let out = Hybrid {
         r5: avg(&pick.r5),
         r10: super::bootstrap_ci(&pick.r10, 17),
         n10: avg(&pick.n10),
-        delta: super::bootstrap_ci(&diff, 17),
+        delta: paired_ci(&pick.r10, &plain.r10),
         per_question: pick.r10.clone(),
     };
     table.push_str(&format!(
