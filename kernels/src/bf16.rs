@@ -235,7 +235,8 @@ fn pack_rows_body(
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::Input;
+    use super::{Input, KT, TILE, TT};
+    use crate::nn::gelu512::gelu16;
 
     /// # Safety
     /// The CPU must support AVX-512F.
@@ -249,50 +250,60 @@ mod simd {
         input: Input,
     ) {
         let gelu = input == Input::Gelu;
-        super::pack_rows_body(x, t, k, tp, a, |src, dst| {
-            let whole = src.len() / 16 * 16;
-            for (c, d) in src[..whole].chunks_exact(16).zip(dst.chunks_exact_mut(16)) {
-                if gelu {
-                    let mut g = [0.0f32; 16];
-                    // Inlined and vectorised: `gelu` is `inline(always)`.
-                    for (g, &v) in g.iter_mut().zip(c) {
-                        *g = crate::nn::gelu(v);
-                    }
-                    // SAFETY: AVX-512F (this function's contract); `g`
-                    // holds 16 f32 and `d` 16 u16.
-                    unsafe { round16(&g, d) };
-                } else {
-                    // SAFETY: as above; `c` holds 16 f32.
-                    unsafe { round16(c, d) };
+        let kb = k.div_ceil(KT);
+        // Whole runs of 16 values in a row; the rest of the row (under 16
+        // values) is rounded one by one, and a tile row's inputs past `k`
+        // are zero.
+        let whole = k / 16;
+        for i in 0..tp {
+            let base = (i / TT) * kb * TILE + (i % TT) * KT;
+            if i >= t {
+                for c in 0..kb {
+                    a[base + c * TILE..base + c * TILE + KT].fill(0);
+                }
+                continue;
+            }
+            let src = &x[i * k..(i + 1) * k];
+            for h in 0..whole {
+                // Run h is inputs 16h..16h + 16: tile column h / 2, half h % 2.
+                let at = base + (h / 2) * TILE + (h % 2) * 16;
+                let run = &src[h * 16..h * 16 + 16];
+                let dst = &mut a[at..at + 16];
+                // SAFETY: AVX-512F (this function's contract); `run` holds
+                // 16 f32 and `dst` 16 u16.
+                unsafe {
+                    let v = _mm512_loadu_ps(run.as_ptr());
+                    let v = if gelu { gelu16(v) } else { v };
+                    round16(v, dst);
                 }
             }
-            for (d, &v) in dst[whole..].iter_mut().zip(&src[whole..]) {
-                *d = super::to_bf16(if gelu { crate::nn::gelu(v) } else { v });
+            for p in whole * 16..kb * KT {
+                a[base + (p / KT) * TILE + p % KT] = match src.get(p) {
+                    Some(&v) => super::to_bf16(if gelu { crate::nn::gelu(v) } else { v }),
+                    None => 0,
+                };
             }
-        });
+        }
     }
 
     /// 16 values to bf16: `bits + 0x7fff + ((bits >> 16) & 1)`, then
     /// `>> 16` (to nearest, ties to even); NaN keeps its top bits, made quiet.
     ///
     /// # Safety
-    /// AVX-512F; `src` and `dst` hold at least 16 values.
+    /// AVX-512F; `dst` holds at least 16 values.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn round16(src: &[f32], dst: &mut [u16]) {
-        debug_assert!(src.len() >= 16 && dst.len() >= 16);
-        // SAFETY: 16 values on each side (this function's contract).
-        unsafe {
-            let v = _mm512_loadu_ps(src.as_ptr());
-            let bits = _mm512_castps_si512(v);
-            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-            let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
-            let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
-            let h = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(r));
-            _mm256_storeu_si256(dst.as_mut_ptr().cast(), h);
-        }
+    unsafe fn round16(v: __m512, dst: &mut [u16]) {
+        debug_assert!(dst.len() >= 16);
+        let bits = _mm512_castps_si512(v);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+        let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        let h = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(r));
+        // SAFETY: 16 values (this function's contract).
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), h) };
     }
 }
 

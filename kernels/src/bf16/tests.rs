@@ -72,9 +72,12 @@ proptest! {
         }
     }
 
-    /// GELU while packing gives exactly the tiles of GELU first, then
-    /// packing (the vectorised `gelu` computes what the scalar one does),
-    /// and `forward_gelu` exactly `forward` of `gelu_erf(x)`.
+    /// GELU while packing gives the tiles of GELU first, then packing, to
+    /// within one bf16 step (the packing's GELU refines a reciprocal where
+    /// [`crate::nn::gelu`] divides: a few f32 ulps apart, which moves a value
+    /// across a bf16 rounding boundary now and then), and `forward_gelu`
+    /// `forward` of `gelu_erf(x)` to within what one such step can move an
+    /// output.
     #[test]
     fn gelu_while_packing_is_gelu_then_packing(t in 1usize..40, k in 1usize..90, n in 1usize..40, seed in 0u64..1000) {
         let x: Vec<f32> = values(t * k, seed).iter().map(|v| v * 6.0).collect();
@@ -85,13 +88,31 @@ proptest! {
         let mut plain = vec![9u16; tp * kb * KT];
         pack_rows(&x, t, k, tp, &mut fused, Input::Gelu);
         pack_rows(&g, t, k, tp, &mut plain, Input::AsIs);
-        prop_assert_eq!(&fused, &plain);
+        // How far each packed input moved, and so the most a row's outputs
+        // can move (weights |w| <= 1).
+        let mut row_moved = vec![0.0f32; tp];
+        for (i, moved) in row_moved.iter_mut().enumerate().take(t) {
+            for p in 0..k {
+                let at = (i / TT) * kb * TILE + (p / KT) * TILE + (i % TT) * KT + p % KT;
+                let (f, q) = (from_bf16(fused[at]), from_bf16(plain[at]));
+                // One bf16 step of the value, or a few f32 ulps of x where
+                // 1 + erf cancels.
+                let tol = q.abs() / 128.0 + 4.0 * f32::EPSILON * x[i * k + p].abs();
+                prop_assert!((f - q).abs() <= tol, "{f:e} vs {q:e} for x = {}", x[i * k + p]);
+                *moved += (f - q).abs();
+            }
+        }
         let layer = Bf16Linear::new(&values(n * k, seed + 1), &values(n, seed + 2), n, k);
         let mut a = vec![f32::NAN; t * n];
         let mut b = vec![f32::NAN; t * n];
         layer.forward_gelu(&mut a, &x, t);
         layer.forward(&mut b, &g, t);
-        prop_assert_eq!(a, b, "{}", path());
+        for (r, (a, b)) in a.chunks(n).zip(b.chunks(n)).enumerate() {
+            for (a, b) in a.iter().zip(b) {
+                // Plus f32 summation slack over k terms of |product| <= 6.
+                prop_assert!((a - b).abs() <= row_moved[r] + 1e-5 * k as f32, "{}: {a} vs {b}", path());
+            }
+        }
     }
 
     /// The tiles and the scalar reference agree on odd shapes: row tails
@@ -145,4 +166,30 @@ fn embedder_shapes_are_close_to_f32() {
     let layer = Bf16Linear::new(&[0.1, -0.2], &[0.0], 1, 2);
     assert_eq!(layer.outputs(), 1);
     assert_eq!(layer.weight(0, 1), from_bf16(to_bf16(-0.2)));
+}
+
+/// What rounding and packing the activations costs per value, with and
+/// without GELU, beside `gelu_erf` alone.
+#[test]
+#[ignore = "timing, by hand: cargo test --release -p steamrf-kernels bf16::tests::pack_timing -- --ignored --nocapture"]
+fn pack_timing() {
+    use std::time::Instant;
+    for (t, k) in [(512usize, 384usize), (512, 1536)] {
+        let x: Vec<f32> = values(t * k, 1).iter().map(|v| v * 3.0).collect();
+        let tp = t.div_ceil(BLOCK) * BLOCK;
+        let mut a = vec![0u16; tp * k.div_ceil(KT) * KT];
+        for input in [Input::AsIs, Input::Gelu] {
+            let mut best = f64::INFINITY;
+            for _ in 0..50 {
+                let s = Instant::now();
+                pack_rows(&x, t, k, tp, &mut a, input);
+                best = best.min(s.elapsed().as_secs_f64());
+            }
+            let mut g = x.clone();
+            let s = Instant::now();
+            crate::nn::gelu_erf(&mut g);
+            let ge = s.elapsed().as_secs_f64();
+            eprintln!("{t}x{k} {input:?}: {:.1} us, {:.2} ns/value; gelu_erf alone {:.1} us", best * 1e6, best * 1e9 / (t * k) as f64, ge * 1e6);
+        }
+    }
 }
