@@ -21,6 +21,7 @@
 //! choose another path. [`Bf16Linear::forward_scalar`] computes the same
 //! products without AMX: the reference the tiles are tested against.
 
+use crate::aligned::Aligned;
 use crate::amx::Amx;
 
 /// Inputs per tile row (32 bf16 = 64 bytes).
@@ -59,7 +60,7 @@ pub struct Bf16Linear {
     /// `n` padded to a multiple of [`BLOCK`].
     np: usize,
     /// `[np / 16][kp / 32]` B tiles of [`TILE`] values; padding is zero.
-    tiles: Vec<u16>,
+    tiles: Aligned<u16>,
     /// Padded to `np` with zeros.
     bias: Vec<f32>,
 }
@@ -76,7 +77,7 @@ impl Bf16Linear {
         let kp = k.div_ceil(KT) * KT;
         let np = n.div_ceil(BLOCK) * BLOCK;
         let kb = kp / KT;
-        let mut tiles = vec![0u16; np * kp];
+        let mut tiles = Aligned::zeroed(np * kp);
         for j in 0..n {
             for p in 0..k {
                 tiles[Self::slot(kb, j, p)] = to_bf16(w[j * k + p]);
@@ -312,12 +313,13 @@ mod amx {
     use std::cell::Cell;
 
     use super::{BLOCK, Bf16Linear, Input, KT, TILE, TT, pack_rows};
+    use crate::aligned::Aligned;
     use crate::amx::{Config, release, tile_dot, tile_load, tile_store};
 
     thread_local! {
         /// Each thread's activation tiles and partial-block outputs, reused
         /// between calls.
-        static BUFFERS: Cell<(Vec<u16>, Vec<f32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+        static BUFFERS: Cell<(Aligned<u16>, Vec<f32>)> = const { Cell::new((Aligned::new(), Vec::new())) };
     }
 
     /// # Safety

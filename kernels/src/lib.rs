@@ -40,6 +40,7 @@ macro_rules! dispatch {
     }};
 }
 
+mod aligned;
 pub mod amx;
 pub mod bf16;
 pub mod cpu;

@@ -728,7 +728,16 @@ mod tests {
             return;
         }
         let mut xs: Vec<f32> = (0..40_000).map(|i| -10.0 + i as f32 * 0.0005).collect();
-        xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-30, -1e-30, 5.67]);
+        xs.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            5.67,
+        ]);
         xs.resize(xs.len().next_multiple_of(16), 0.5);
         let mut worst = 0.0f32;
         for run in xs.chunks_exact(16) {

@@ -30,6 +30,8 @@
 //! [`QuantLinear::forward_scalar`] computes the same integers without SIMD:
 //! the reference the VNNI kernel is tested against.
 
+use crate::aligned::Aligned;
+
 /// Output channels per packed block (three zmm registers of `i32`).
 pub const NR: usize = 48;
 /// Rows per micro-kernel call.
@@ -117,7 +119,7 @@ pub struct QuantLinear {
     groups: usize,
     /// `[n.div_ceil(NR)][groups][NR][4 bytes]`, then [`AMX_SLACK`] bytes;
     /// padding is zero.
-    packed: Vec<u8>,
+    packed: Aligned<u8>,
     /// Per output channel, padded to whole blocks with zeros.
     scale: Vec<f32>,
     /// `Σ_p q[j][p]` as f32, padded (only int8's asymmetric activations use it).
@@ -156,7 +158,7 @@ impl QuantLinear {
             n,
             k,
             groups,
-            packed: vec![0u8; blocks * groups * NR * 4 + AMX_SLACK],
+            packed: Aligned::zeroed(blocks * groups * NR * 4 + AMX_SLACK),
             scale: vec![0.0f32; blocks * NR],
             col_sum: vec![0.0f32; blocks * NR],
             bias: bias.to_vec(),
@@ -745,11 +747,12 @@ mod amx_int8 {
     use std::cell::Cell;
 
     use super::{NR, QuantLinear, Quantised, vnni::epilogue};
+    use crate::aligned::Aligned;
     use crate::amx::{Config, release, tile_dot, tile_load, tile_store, tile_zero};
 
     thread_local! {
         /// Each thread's padded activations and sums, reused between calls.
-        static BUFFERS: Cell<(Vec<u8>, Vec<i32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+        static BUFFERS: Cell<(Aligned<u8>, Vec<i32>)> = const { Cell::new((Aligned::new(), Vec::new())) };
     }
 
     /// Channels and rows per tile; groups (4 bytes) per tile row.

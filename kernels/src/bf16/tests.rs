@@ -164,6 +164,8 @@ fn embedder_shapes_are_close_to_f32() {
         }
     }
     let layer = Bf16Linear::new(&[0.1, -0.2], &[0.0], 1, 2);
+    // Every tile row one cache line (crate::aligned).
+    assert_eq!(layer.tiles.as_ptr() as usize % 64, 0);
     assert_eq!(layer.outputs(), 1);
     assert_eq!(layer.weight(0, 1), from_bf16(to_bf16(-0.2)));
 }
@@ -189,7 +191,12 @@ fn pack_timing() {
             let s = Instant::now();
             crate::nn::gelu_erf(&mut g);
             let ge = s.elapsed().as_secs_f64();
-            eprintln!("{t}x{k} {input:?}: {:.1} us, {:.2} ns/value; gelu_erf alone {:.1} us", best * 1e6, best * 1e9 / (t * k) as f64, ge * 1e6);
+            eprintln!(
+                "{t}x{k} {input:?}: {:.1} us, {:.2} ns/value; gelu_erf alone {:.1} us",
+                best * 1e6,
+                best * 1e9 / (t * k) as f64,
+                ge * 1e6
+            );
         }
     }
 }
