@@ -62,7 +62,7 @@ pub struct Bf16Linear {
     /// `[np / 16][kp / 32]` B tiles of [`TILE`] values; padding is zero.
     tiles: Aligned<u16>,
     /// Padded to `np` with zeros.
-    bias: Vec<f32>,
+    bias: Aligned<f32>,
 }
 
 impl Bf16Linear {
@@ -83,8 +83,8 @@ impl Bf16Linear {
                 tiles[Self::slot(kb, j, p)] = to_bf16(w[j * k + p]);
             }
         }
-        let mut padded = bias.to_vec();
-        padded.resize(np, 0.0);
+        let mut padded = Aligned::zeroed(np);
+        padded[..n].copy_from_slice(bias);
         Self {
             n,
             k,
@@ -132,6 +132,66 @@ impl Bf16Linear {
         self.forward_of(out, x, t, Input::Gelu);
     }
 
+    /// `gelu(x · wᵀ + bias)`, rounded to bf16 and laid out as the input
+    /// of a next layer with `n` inputs, without the f32 output: a BERT
+    /// block's first FFN layer feeding its second, whose products then come
+    /// from [`Self::forward_packed`]. GELU and rounding run on each 32 × 32
+    /// block of outputs while it is in L1, so the `t × n` f32 activations
+    /// are neither written nor read back. The same values as [`Self::forward`]
+    /// then [`Self::forward_gelu`] on AMX.
+    ///
+    /// # Panics
+    /// If the lengths disagree.
+    pub fn forward_gelu_packed(&self, out: &mut Bf16Rows, x: &[f32], t: usize) {
+        assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
+        let tp = t.div_ceil(BLOCK) * BLOCK;
+        out.t = t;
+        out.k = self.n;
+        // np is n rounded up to 32 inputs: the next layer's padded width.
+        out.tiles.resize(tp * self.np, 0);
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        if amx_available() && std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AMX with the tile permission (amx_available) and
+            // AVX-512F; x holds t × k values (asserted above) and out.tiles
+            // tp × np.
+            unsafe {
+                amx::forward(
+                    self,
+                    amx::Src::F32(x, t, Input::AsIs),
+                    amx::Dst::GeluPacked(&mut out.tiles),
+                )
+            };
+            return;
+        }
+        let mut y = vec![0.0f32; t * self.n];
+        self.forward_scalar(&mut y, x, t);
+        pack_rows(&y, t, self.n, tp, &mut out.tiles, Input::Gelu);
+    }
+
+    /// `out = rows · wᵀ + bias` for activations already rounded and packed
+    /// by [`Self::forward_gelu_packed`].
+    ///
+    /// # Panics
+    /// If `rows` does not have this layer's `k` inputs, or `out` is not
+    /// `rows × n`.
+    pub fn forward_packed(&self, out: &mut [f32], rows: &Bf16Rows) {
+        let t = rows.t;
+        assert_eq!(
+            rows.k, self.k,
+            "packed rows of {} inputs, the layer takes {}",
+            rows.k, self.k
+        );
+        assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        if amx_available() {
+            // SAFETY: as in forward_gelu_packed; rows.tiles holds the
+            // t.div_ceil(32) · 32 × kp tiles forward_gelu_packed wrote.
+            unsafe { amx::forward(self, amx::Src::Packed(&rows.tiles), amx::Dst::F32(out, t)) };
+            return;
+        }
+        self.forward_scalar(out, &rows.unpack(), t);
+    }
+
     fn forward_of(&self, out: &mut [f32], x: &[f32], t: usize, input: Input) {
         assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
         assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
@@ -140,7 +200,7 @@ impl Bf16Linear {
             // SAFETY: the CPU has AMX-TILE and AMX-BF16 and this process
             // holds the tile data permission (amx_available); x and out have
             // t × k and t × n values (asserted above).
-            unsafe { amx::forward(self, out, x, t, input) };
+            unsafe { amx::forward(self, amx::Src::F32(x, t, input), amx::Dst::F32(out, t)) };
             return;
         }
         match input {
@@ -175,6 +235,45 @@ impl Bf16Linear {
                 out[i * self.n + j] = (acc + f64::from(self.bias[j])) as f32;
             }
         }
+    }
+}
+
+/// Activations rounded to bf16 in the A-tile layout ([`pack_rows`]'s):
+/// one layer's output handed to the next without an f32 copy
+/// ([`Bf16Linear::forward_gelu_packed`], [`Bf16Linear::forward_packed`]).
+/// Reusable: each call resizes it.
+#[derive(Debug, Clone, Default)]
+pub struct Bf16Rows {
+    /// `[t / 16 rounded up to even][k / 32 rounded up]` tiles of 16 rows ×
+    /// 32 inputs; padding rows and inputs zero.
+    tiles: Aligned<u16>,
+    t: usize,
+    k: usize,
+}
+
+impl Bf16Rows {
+    /// Empty; the first call sizes it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.t
+    }
+
+    /// The values as `t × k` f32 (the scalar path's input).
+    fn unpack(&self) -> Vec<f32> {
+        let kb = self.k.div_ceil(KT);
+        let mut x = vec![0.0f32; self.t * self.k];
+        for i in 0..self.t {
+            for p in 0..self.k {
+                x[i * self.k + p] = from_bf16(
+                    self.tiles[(i / TT) * kb * TILE + (p / KT) * TILE + (i % TT) * KT + p % KT],
+                );
+            }
+        }
+        x
     }
 }
 
@@ -278,11 +377,42 @@ mod simd {
                     round16(v, dst);
                 }
             }
-            for p in whole * 16..kb * KT {
-                a[base + (p / KT) * TILE + p % KT] = match src.get(p) {
-                    Some(&v) => super::to_bf16(if gelu { crate::nn::gelu(v) } else { v }),
-                    None => 0,
-                };
+            // The last run of under 16 values, loaded under a mask (GELU
+            // the same 16-lane one as every other value), then zeros to the
+            // end of the row's last tile column.
+            let rest = k - whole * 16;
+            if rest > 0 {
+                let mut r = [0u16; 16];
+                // SAFETY: AVX-512F (this function's contract); the masked
+                // load reads only the `rest` values left in `src`.
+                unsafe {
+                    let v = _mm512_maskz_loadu_ps((1u16 << rest) - 1, src.as_ptr().add(whole * 16));
+                    round16(if gelu { gelu16(v) } else { v }, &mut r);
+                }
+                for (j, &b) in r[..rest].iter().enumerate() {
+                    let p = whole * 16 + j;
+                    a[base + (p / KT) * TILE + p % KT] = b;
+                }
+            }
+            for p in k..kb * KT {
+                a[base + (p / KT) * TILE + p % KT] = 0;
+            }
+        }
+    }
+
+    /// GELU of 32 values ([`gelu16`]), rounded to bf16.
+    ///
+    /// # Safety
+    /// AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gelu_round(src: &[f32], dst: &mut [u16]) {
+        assert!(src.len() >= 32 && dst.len() >= 32);
+        for h in 0..2 {
+            // SAFETY: AVX-512F (this function's contract); 16 values each
+            // side from 16h (asserted above).
+            unsafe {
+                let v = _mm512_loadu_ps(src.as_ptr().add(16 * h));
+                round16(gelu16(v), &mut dst[16 * h..]);
             }
         }
     }
@@ -322,30 +452,63 @@ mod amx {
         static BUFFERS: Cell<(Aligned<u16>, Vec<f32>)> = const { Cell::new((Aligned::new(), Vec::new())) };
     }
 
+    /// Where a call's activations come from.
+    pub(super) enum Src<'a> {
+        /// `t × k` f32 rows, rounded and packed here (`Input` first).
+        F32(&'a [f32], usize, Input),
+        /// Rows packed already ([`super::Bf16Rows`]'s tiles, `k` inputs).
+        Packed(&'a [u16]),
+    }
+
+    /// Where its outputs go.
+    pub(super) enum Dst<'a> {
+        /// `t × n` f32.
+        F32(&'a mut [f32], usize),
+        /// GELU of each output, rounded and packed as A tiles of a layer
+        /// with `np` inputs (`tp × np` values).
+        GeluPacked(&'a mut [u16]),
+    }
+
+    /// A 32 × 32 block of outputs, 32 f32 per row, on one cache line each
+    /// pair of 16.
+    #[repr(C, align(64))]
+    struct Block([f32; BLOCK * BLOCK]);
+
     /// # Safety
     /// The CPU must have AMX-TILE and AMX-BF16, with the tile data
-    /// permission granted to this process; `x` holds `t × k` values and
-    /// `out` `t × n`.
-    pub(super) unsafe fn forward(
-        layer: &Bf16Linear,
-        out: &mut [f32],
-        x: &[f32],
-        t: usize,
-        input: Input,
-    ) {
+    /// permission granted to this process. `Src::F32` holds `t × k` values
+    /// and `Dst::F32` `t × n`; `Src::Packed` holds the `tp × kp` tiles of
+    /// the same `t` rows ([`super::Bf16Rows`]), and `Dst::GeluPacked` has
+    /// room for `tp × np`, where `tp` is `t` rounded up to 32.
+    pub(super) unsafe fn forward(layer: &Bf16Linear, src: Src<'_>, dst: Dst<'_>) {
         let (n, k, kp, np) = (layer.n, layer.k, layer.kp, layer.np);
         let kb = kp / KT;
-        let tp = t.div_ceil(BLOCK) * BLOCK;
         // The activations in bf16, packed as A tiles: `[tp / 16][kb]` tiles
         // of 16 rows × 32 inputs, so every tile load reads 1 KiB in a row.
         // Padding rows and inputs are zero. The buffers are this thread's,
         // kept between calls: fresh ones per call cost more than the
         // products (page faults and zeroing of a few MB).
-        let (mut a, mut scratch) = BUFFERS.take();
-        if a.len() < tp * kp {
-            a.resize(tp * kp, 0);
-        }
-        pack_rows(x, t, k, tp, &mut a, input);
+        let (mut buffer, mut scratch) = BUFFERS.take();
+        let (a, t): (&[u16], usize) = match src {
+            Src::F32(x, t, input) => {
+                let tp = t.div_ceil(BLOCK) * BLOCK;
+                if buffer.len() < tp * kp {
+                    buffer.resize(tp * kp, 0);
+                }
+                pack_rows(x, t, k, tp, &mut buffer, input);
+                (&buffer, t)
+            }
+            Src::Packed(tiles) => (tiles, tiles.len() / kp),
+        };
+        let tp = t.div_ceil(BLOCK) * BLOCK;
+        // Raw pointers, taken once: the tiles store through them.
+        let (out, packed, t) = match dst {
+            Dst::F32(out, rows) => (out.as_mut_ptr(), std::ptr::null_mut(), rows),
+            Dst::GeluPacked(packed) => (std::ptr::null_mut(), packed.as_mut_ptr(), t),
+        };
+        let to_f32 = packed.is_null();
+        let mut block = Block([0.0; BLOCK * BLOCK]);
+        let block = block.0.as_mut_ptr();
         let config = Config::full();
         let stride = 2 * KT;
         // SAFETY: for every asm statement below: the CPU runs AMX with the
@@ -354,15 +517,21 @@ mod amx {
         // 64 bytes: an A tile (1 KiB in a row) inside `a` (tp / 16 × kb
         // tiles), a B tile inside `tiles` (np / 16 × kb tiles), or the bias
         // row with stride 0 (16 values from jb + 16 ≤ np). Each store writes
-        // 16 rows of 16 f32 at `ld` values apart into `dst`: either `out`
-        // rows ib..ib+32 (a full block and np == n) or `scratch` (32 rows of
-        // np values), columns jb..jb+32 ≤ np.
+        // 16 rows of 16 f32 at `ld` values apart into `dst`: `out` rows
+        // ib..ib+32 (a full block and np == n), `scratch` (32 rows of np
+        // values), columns jb..jb+32 ≤ np, or `block` (32 rows of 32).
+        // GELU and rounding read `block` after its stores and write one
+        // tile row of 32 values inside `packed` (tp × np: row i < tp, tile
+        // column jb / 32 < np / 32), on a CPU with AVX-512F (every AMX CPU;
+        // checked by the callers of `Dst::GeluPacked`).
         unsafe {
             config.load();
             for ib in (0..tp).step_by(BLOCK) {
                 let full = ib + BLOCK <= t && np == n;
-                let (dst, ld) = if full {
-                    (out.as_mut_ptr().add(ib * n), n)
+                let (dst, ld) = if !to_f32 {
+                    (block, BLOCK)
+                } else if full {
+                    (out.add(ib * n), n)
                 } else {
                     if scratch.len() < BLOCK * np {
                         scratch.resize(BLOCK * np, 0.0f32);
@@ -390,21 +559,41 @@ mod amx {
                         tile_dot!("tdpbf16ps", "2", "5", "6");
                         tile_dot!("tdpbf16ps", "3", "5", "7");
                     }
-                    tile_store!("0", dst.add(jb), row_bytes);
-                    tile_store!("1", dst.add(jb + TT), row_bytes);
-                    tile_store!("2", dst.add(TT * ld + jb), row_bytes);
-                    tile_store!("3", dst.add(TT * ld + jb + TT), row_bytes);
+                    let at = if to_f32 { jb } else { 0 };
+                    tile_store!("0", dst.add(at), row_bytes);
+                    tile_store!("1", dst.add(at + TT), row_bytes);
+                    tile_store!("2", dst.add(TT * ld + at), row_bytes);
+                    tile_store!("3", dst.add(TT * ld + at + TT), row_bytes);
+                    if !to_f32 {
+                        // Output columns jb..jb + 32 are the next layer's
+                        // tile column jb / 32; rows past t stay zero.
+                        let next_kb = np / KT;
+                        for r in 0..BLOCK {
+                            let i = ib + r;
+                            let to = (i / TT) * next_kb * TILE + (jb / KT) * TILE + (i % TT) * KT;
+                            let row = std::slice::from_raw_parts_mut(packed.add(to), KT);
+                            if i < t {
+                                let c = std::slice::from_raw_parts(block.add(r * BLOCK), BLOCK);
+                                super::simd::gelu_round(c, row);
+                            } else {
+                                row.fill(0);
+                            }
+                        }
+                    }
                 }
-                if !full {
-                    for r in 0..(t - ib).min(BLOCK) {
-                        out[(ib + r) * n..(ib + r + 1) * n]
-                            .copy_from_slice(&scratch[r * np..r * np + n]);
+                if to_f32 && !full {
+                    for r in 0..t.saturating_sub(ib).min(BLOCK) {
+                        std::ptr::copy_nonoverlapping(
+                            scratch.as_ptr().add(r * np),
+                            out.add((ib + r) * n),
+                            n,
+                        );
                     }
                 }
             }
             release();
         }
-        BUFFERS.set((a, scratch));
+        BUFFERS.set((buffer, scratch));
     }
 }
 

@@ -115,6 +115,39 @@ proptest! {
         }
     }
 
+    /// A first FFN layer handing its GELU output packed to the second gives
+    /// the bits of the two steps through f32 (`forward`, then
+    /// `forward_gelu`) on AMX, and the same values to f32 rounding on the
+    /// scalar path; the packed rows are the packing of that GELU output.
+    #[test]
+    fn packed_handover_is_forward_then_forward_gelu(t in 0usize..70, k in 1usize..70, n in 1usize..70, m in 1usize..40, seed in 0u64..1000) {
+        let x: Vec<f32> = values(t * k, seed).iter().map(|v| v * 3.0).collect();
+        let first = Bf16Linear::new(&values(n * k, seed + 1), &values(n, seed + 2), n, k);
+        let second = Bf16Linear::new(&values(m * n, seed + 3), &values(m, seed + 4), m, n);
+        let mut y = vec![f32::NAN; t * n];
+        let mut want = vec![f32::NAN; t * m];
+        first.forward(&mut y, &x, t);
+        second.forward_gelu(&mut want, &y, t);
+        let mut rows = Bf16Rows::new();
+        // Used once for another shape first: each call resizes it.
+        first.forward_gelu_packed(&mut rows, &x[..k.min(x.len())], t.min(1));
+        first.forward_gelu_packed(&mut rows, &x, t);
+        prop_assert_eq!(rows.rows(), t);
+        let mut got = vec![f32::NAN; t * m];
+        second.forward_packed(&mut got, &rows);
+        let tp = t.div_ceil(BLOCK) * BLOCK;
+        let mut plain = vec![7u16; tp * n.div_ceil(KT) * KT];
+        pack_rows(&y, t, n, tp, &mut plain, Input::Gelu);
+        if amx_available() {
+            prop_assert_eq!(&*rows.tiles, &plain[..]);
+            prop_assert_eq!(got, want);
+        } else {
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!((a - b).abs() <= 1e-5 * (n as f32 + 1.0), "{a} vs {b}");
+            }
+        }
+    }
+
     /// The tiles and the scalar reference agree on odd shapes: row tails
     /// (t not a multiple of 32), output tails, inputs not a multiple of 32.
     #[test]

@@ -29,7 +29,7 @@ use candle_core::safetensors::Load;
 use candle_core::{DType, Device};
 use candle_transformers::models::bert::Config as BertConfig;
 use safetensors::SafeTensors;
-use steamrf_kernels::bf16::Bf16Linear;
+use steamrf_kernels::bf16::{Bf16Linear, Bf16Rows};
 use steamrf_kernels::nn::{
     MatMut, MatRef, add_assign, add_layer_norm, gelu_erf, layer_norm, linear, matmul,
     softmax_rows_scaled,
@@ -61,15 +61,34 @@ impl Dense {
         }
     }
 
-    /// `out = gelu(x) · wᵀ + b`, where `x` is free to be overwritten: bf16
-    /// applies GELU as it packs `x` (one pass over it fewer), the other
-    /// formats in place first.
-    pub(super) fn apply_gelu(&self, out: &mut [f32], x: &mut [f32], t: usize) {
-        match self {
-            Self::Bf16(l) => l.forward_gelu(out, x, t),
+    /// A BERT block's feed-forward part, `out = gelu(x · firstᵀ + b₁) ·
+    /// secondᵀ + b₂` (`self` is the first layer). In bf16 the first layer
+    /// hands its GELU output to the second already rounded and packed, so
+    /// the `t × intermediate` activations never exist in f32; the other
+    /// formats go through `inter` (grown as needed), GELU in place.
+    pub(super) fn feed_forward(
+        &self,
+        second: &Self,
+        out: &mut [f32],
+        x: &[f32],
+        t: usize,
+        inter: &mut Intermediate,
+    ) {
+        match (self, second) {
+            (Self::Bf16(first), Self::Bf16(second)) => {
+                first.forward_gelu_packed(&mut inter.packed, x, t);
+                second.forward_packed(out, &inter.packed);
+            }
             _ => {
-                gelu_erf(x);
-                self.apply(out, x, t);
+                let width = match self {
+                    Self::F32 { n, .. } => *n,
+                    Self::Quant(l) => l.outputs(),
+                    Self::Bf16(l) => l.outputs(),
+                };
+                inter.f32.resize(t * width, 0.0);
+                self.apply(&mut inter.f32, x, t);
+                gelu_erf(&mut inter.f32);
+                second.apply(out, &inter.f32, t);
             }
         }
     }
@@ -82,6 +101,13 @@ impl Dense {
             Self::Bf16(l) => l.forward(out, x, t),
         }
     }
+}
+
+/// The feed-forward part's intermediate activations, kept across layers.
+#[derive(Default)]
+pub(super) struct Intermediate {
+    f32: Vec<f32>,
+    packed: Bf16Rows,
 }
 
 struct Layer {
@@ -98,7 +124,6 @@ struct Layer {
 pub(super) struct NativeBert {
     hidden: usize,
     heads: usize,
-    inter: usize,
     max_pos: usize,
     eps: f32,
     word: Vec<f32>,
@@ -229,7 +254,6 @@ impl NativeBert {
         Ok(Self {
             hidden: h,
             heads: config.num_attention_heads,
-            inter: i,
             max_pos: config.max_position_embeddings,
             eps: config.layer_norm_eps as f32,
             word: w.get("embeddings.word_embeddings.weight", config.vocab_size * h)?,
@@ -311,7 +335,7 @@ impl NativeBert {
         let mut qkv = vec![0.0f32; total * 3 * h];
         let mut ctx = vec![0.0f32; total * h];
         let mut attn = vec![0.0f32; total * h];
-        let mut inter = vec![0.0f32; total * self.inter];
+        let mut inter = Intermediate::default();
         // A sequence's scores, each row padded to a multiple of 16 with
         // -inf (per head, below) so the softmax runs without a scalar tail;
         // the product with V never reads the padding.
@@ -349,8 +373,9 @@ impl NativeBert {
             }
             layer.attn_out.apply(&mut attn, &ctx, total);
             add_layer_norm(&mut attn, &x, &layer.ln1_g, &layer.ln1_b, self.eps);
-            layer.inter.apply(&mut inter, &attn, total);
-            layer.out.apply_gelu(&mut x, &mut inter, total);
+            layer
+                .inter
+                .feed_forward(&layer.out, &mut x, &attn, total, &mut inter);
             add_layer_norm(&mut x, &attn, &layer.ln2_g, &layer.ln2_b, self.eps);
         }
         Ok(x)
