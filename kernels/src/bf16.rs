@@ -15,7 +15,14 @@
 //! micro-kernel keeps 2 × 2 C tiles (32 rows × 32 outputs), loads two A and
 //! two B tiles per 32 inputs and issues four `tdpbf16ps` (16 × 16 × 32
 //! products each). `k` and `n` are padded to multiples of 32 with zeros;
-//! rows to a multiple of 32 in a scratch copy of the activations.
+//! rows to a multiple of 32 in a scratch copy of the activations. Weights
+//! and activation tiles start on a cache line (`aligned.rs`), so each
+//! 64-byte tile row is one line.
+//!
+//! A feed-forward block's two layers can skip the f32 activations between
+//! them: [`Bf16Linear::forward_gelu_packed`] applies GELU to each 32 × 32
+//! block of outputs in L1 and writes it as the next layer's A tiles
+//! ([`Bf16Rows`]), which [`Bf16Linear::forward_packed`] multiplies.
 //!
 //! Where AMX is missing or Linux refuses it ([`amx_available`]), callers
 //! choose another path. [`Bf16Linear::forward_scalar`] computes the same
@@ -121,10 +128,11 @@ impl Bf16Linear {
         self.forward_of(out, x, t, Input::AsIs);
     }
 
-    /// `out = gelu(x) · wᵀ + bias`, GELU ([`crate::nn::gelu`]) applied to
-    /// each input as it is rounded and packed: one pass over `x` instead of
-    /// two (a BERT block's second FFN layer, whose input is the first's
-    /// output). The same values as `forward` on `gelu_erf(x)`.
+    /// `out = gelu(x) · wᵀ + bias`, GELU applied to each input as it is
+    /// rounded and packed: one pass over `x` instead of two. With AVX-512 the
+    /// GELU is the 16-lane one (`nn::gelu512`, a few f32 ulps from
+    /// [`crate::nn::gelu`]), so the result is `forward` on `gelu_erf(x)` to
+    /// within a bf16 step of an input now and then (a test).
     ///
     /// # Panics
     /// If the lengths disagree.
@@ -287,7 +295,7 @@ enum Input {
 /// Rounds the `t × k` rows of `x` (or their GELU) to bf16 and lays them out as A tiles in
 /// `a`: `[tp / 16][k / 32 rounded up]` tiles of 16 rows × 32 inputs, rows
 /// `t..tp` and inputs past `k` zero. In AVX-512 where the CPU has it; the
-/// same values as [`to_bf16`] either way.
+/// same values as [`to_bf16`] either way (GELU: see [`Bf16Linear::forward_gelu`]).
 fn pack_rows(x: &[f32], t: usize, k: usize, tp: usize, a: &mut [u16], input: Input) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
