@@ -850,4 +850,4 @@ mod tests;
 
 mod search;
 pub(crate) use search::rescore_exactly;
-pub use search::{QuantKernel, SLACK};
+pub use search::{INT8_MIN_ROWS, QuantKernel, SLACK};

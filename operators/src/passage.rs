@@ -187,6 +187,11 @@ pub struct PassageIndex {
 }
 
 impl PassageIndex {
+    /// Bytes its stores hold beside their f32 rows (int8 copies).
+    pub fn extra_bytes(&self) -> usize {
+        self.rows.extra_bytes() + self.windows.extra_bytes()
+    }
+
     /// Builds the index. `owner` gives each window's row, ascending
     /// (windows grouped by row); `lexical`, when given, indexes the rows in
     /// the same order. When there are windows, every row needs at least one:

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::{Ivf, IvfParams, kmeans};
+use steamrf_kernels::quant::QuantKernel;
 use steamrf_kernels::{Corpus, Hit, SearchParams, SimilarityKernel};
 
 use crate::embed::normalize;
@@ -342,11 +343,20 @@ pub fn gate(scores: &[f32], p: &RfMemParams) -> (Path, Rule, Probe) {
     (path, rule, probe)
 }
 
-/// One user's searchable rows: exact (flat) or approximate (IVF).
+/// One user's searchable rows: exact (flat, scored in f32 or in int8 with
+/// exact f32 rescoring) or approximate (IVF).
 pub struct VectorStore {
     corpus: Corpus,
     ivf: Option<Ivf>,
-    kernel: CpuKernel,
+    scan: Scan,
+}
+
+/// How an exact store scores its rows.
+enum Scan {
+    F32(CpuKernel),
+    /// int8 codes (a quarter of the f32 bytes, kept beside them), the best
+    /// `k · rescore` candidates rescored exactly in f32.
+    Int8(QuantKernel),
 }
 
 impl fmt::Debug for VectorStore {
@@ -354,6 +364,7 @@ impl fmt::Debug for VectorStore {
         f.debug_struct("VectorStore")
             .field("rows", &self.corpus.len())
             .field("ivf_lists", &self.ivf.as_ref().map(Ivf::lists))
+            .field("int8", &self.is_int8())
             .finish()
     }
 }
@@ -364,8 +375,49 @@ impl VectorStore {
         Self {
             corpus,
             ivf: None,
-            kernel,
+            scan: Scan::F32(kernel),
         }
+    }
+
+    /// An exact store scored in int8 by `kernel`, whose best candidates are
+    /// rescored exactly in f32 (so scores are exact, and a row is missed
+    /// only when the int8 error pushes it out of the candidates). The int8
+    /// copy is built here, so [`Self::extra_bytes`] counts it from the
+    /// start.
+    ///
+    /// # Errors
+    /// Kernel errors.
+    pub fn flat_int8(corpus: Corpus, kernel: QuantKernel) -> Result<Self, Error> {
+        if !corpus.is_empty() {
+            let probe = corpus.row(0).to_vec();
+            kernel.top_k(
+                &probe,
+                &corpus,
+                &SearchParams {
+                    k: 1,
+                    min_score: f32::NEG_INFINITY,
+                    exclude: None,
+                },
+            )?;
+        }
+        Ok(Self {
+            corpus,
+            ivf: None,
+            scan: Scan::Int8(kernel),
+        })
+    }
+
+    /// Bytes held beside the f32 rows (the int8 copy of an int8 store).
+    pub fn extra_bytes(&self) -> usize {
+        match &self.scan {
+            Scan::Int8(k) => k.shadow_bytes(),
+            Scan::F32(_) => 0,
+        }
+    }
+
+    /// Whether an exact scan scores in int8 first.
+    pub fn is_int8(&self) -> bool {
+        matches!(self.scan, Scan::Int8(_))
     }
 
     /// An approximate store: an IVF index is built over `corpus` (on
@@ -378,7 +430,7 @@ impl VectorStore {
         Ok(Self {
             corpus,
             ivf: Some(ivf),
-            kernel,
+            scan: Scan::F32(kernel),
         })
     }
 
@@ -419,15 +471,17 @@ impl VectorStore {
     ) -> Result<Vec<Vec<Hit>>, Error> {
         Ok(match &self.ivf {
             Some(ivf) => ivf.search(queries, k, min_score)?,
-            None => self.kernel.top_k(
-                queries,
-                &self.corpus,
-                &SearchParams {
+            None => {
+                let p = SearchParams {
                     k,
                     min_score,
                     exclude: None,
-                },
-            )?,
+                };
+                match &self.scan {
+                    Scan::F32(kernel) => kernel.top_k(queries, &self.corpus, &p)?,
+                    Scan::Int8(kernel) => kernel.top_k(queries, &self.corpus, &p)?,
+                }
+            }
         })
     }
 }

@@ -98,6 +98,13 @@ pub struct ServeConfig {
     pub ivf_probes: usize,
     /// Threads per exact search.
     pub search_threads: usize,
+    /// How exact scans of at least 8,192 rows score: auto (int8 where the
+    /// CPU has AVX-512 VNNI), f32 or int8; int8 keeps a quarter-size copy of
+    /// the rows beside them and rescores its best candidates exactly.
+    #[serde(deserialize_with = "cpu_precision")]
+    pub cpu_precision: steamrf_kernels::cuda::CpuPrecision,
+    /// With int8 scans: candidates rescored exactly per query, × k.
+    pub rescore: usize,
     /// Follow the user's memories to published prototypes.
     pub collaborative: bool,
     /// Collaborative memories considered per request.
@@ -1220,8 +1227,15 @@ impl Config {
                     .to_owned(),
             );
         }
-        if v.search_threads == 0 || v.ivf_probes == 0 {
-            p.push("serve.search_threads and serve.ivf_probes: must be > 0".to_owned());
+        if v.cpu_precision == steamrf_kernels::cuda::CpuPrecision::Int8
+            && !steamrf_kernels::quant::vnni_available()
+        {
+            p.push("serve.cpu_precision: \"int8\" needs AVX-512 VNNI, which this CPU lacks; use \"auto\" or \"f32\"".to_owned());
+        }
+        if v.search_threads == 0 || v.ivf_probes == 0 || v.rescore == 0 {
+            p.push(
+                "serve.search_threads, serve.ivf_probes and serve.rescore: must be > 0".to_owned(),
+            );
         }
         if !(1..=steamrf_operators::rfmem::MAX_K).contains(&v.max_k) {
             p.push(format!(

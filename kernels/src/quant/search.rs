@@ -25,6 +25,10 @@ use crate::{
 /// (about 0.01 at most).
 pub const SLACK: f32 = 0.05;
 
+/// [`QuantKernel::f32_below`]'s default: corpora of fewer rows are scored in
+/// f32 (measured, see the field).
+pub const INT8_MIN_ROWS: usize = 8192;
+
 /// The int8 corpus: one layer per block of rows, edited row by row as the
 /// corpus changes.
 struct Shadow {
@@ -83,7 +87,7 @@ impl QuantKernel {
             block_rows: 2048,
             query_block: 256,
             rescore: rescore.max(1),
-            f32_below: 8192,
+            f32_below: INT8_MIN_ROWS,
             shadow: Mutex::default(),
         })
     }

@@ -333,6 +333,45 @@ fn the_ivf_store_with_every_list_probed_is_exact() {
     }
 }
 
+/// The int8 store (the service's exact scan from 8,192 rows on a VNNI CPU)
+/// answers RF-Mem with the exact store's rows and exact scores on
+/// clustered rows, and counts its int8 copy.
+#[test]
+fn the_int8_store_answers_as_the_exact_one() {
+    let Ok(mut kernel) = steamrf_kernels::quant::QuantKernel::new(4) else {
+        eprintln!("int8 store: no AVX-512 VNNI on this machine, not run");
+        return;
+    };
+    kernel.threads = 1;
+    let dim = 64;
+    let (flat, rows) = random_store(9_000, dim, 11, 1);
+    let int8 =
+        VectorStore::flat_int8(Corpus::from_vec(rows.clone(), dim).unwrap(), kernel).unwrap();
+    assert!(int8.is_int8() && !flat.is_int8());
+    assert_eq!(flat.extra_bytes(), 0);
+    // The int8 codes: about a quarter of the f32 rows, built up front.
+    assert!(int8.extra_bytes() >= 9_000 * dim, "{}", int8.extra_bytes());
+    let mut rng = SmallRng::seed_from_u64(12);
+    for (i, q) in rows.chunks(dim).step_by(450).enumerate() {
+        // Half near a row, half off every topic.
+        let q: Vec<f32> = if i % 2 == 0 {
+            q.iter()
+                .map(|v| v + rng.random_range(-0.05..0.05))
+                .collect()
+        } else {
+            (0..dim).map(|_| rng.random_range(-1.0..1.0)).collect()
+        };
+        for mode in [Mode::Familiarity, Mode::Recollection, Mode::Adaptive] {
+            let p = RfMemParams { mode, ..params() };
+            let (a, b) = (
+                retrieve(&flat, &q, &p).unwrap(),
+                retrieve(&int8, &q, &p).unwrap(),
+            );
+            assert_eq!(a.hits, b.hits, "query {i}, {mode:?}");
+        }
+    }
+}
+
 #[test]
 fn bad_queries_and_options_name_their_field() {
     let (store, _) = random_store(10, 4, 1, 1);

@@ -5,8 +5,11 @@
 //! queries are near a memory (familiar), half are random directions
 //! (unfamiliar), so the adaptive gate takes both paths. Stores measured in
 //! the same run:
-//! - `exact`: the flat scan the service uses below `serve.ivf_min_rows`
+//! - `exact`: the flat f32 scan the service uses below `serve.ivf_min_rows`
 //!   (one thread per request, as served);
+//! - `int8`: the same scan scored in int8 with exact f32 rescoring, what the
+//!   service uses from 8,192 rows on a CPU with AVX-512 VNNI
+//!   (`serve.cpu_precision = "auto"`; its recall@k against exact is printed);
 //! - `ivf`: the in-memory IVF the service uses above it (its recall@k
 //!   against exact is printed);
 //! - `lancedb`: the same vectors in a LanceDB table, top-k through its
@@ -156,6 +159,22 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
         Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
         served_kernel,
     );
+    // The int8 scan the service uses from 8,192 rows on a CPU with VNNI
+    // (`serve.cpu_precision = "auto"`), rescoring `4 · k` candidates exactly.
+    let int8 = match steamrf_kernels::quant::QuantKernel::new(4) {
+        Ok(mut kernel) => {
+            kernel.threads = 1;
+            kernel.f32_below = 0;
+            Some(
+                VectorStore::flat_int8(
+                    Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
+                    kernel,
+                )
+                .map_err(internal)?,
+            )
+        }
+        Err(_) => None,
+    };
     let t = Instant::now();
     let ivf = VectorStore::ivf(
         Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
@@ -178,7 +197,12 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
         ("rf-mem", Mode::Adaptive),
     ];
     let mut stats = Vec::new();
-    for (name, store) in [("exact", &exact), ("ivf", &ivf)] {
+    let stores = [
+        ("exact", Some(&exact)),
+        ("int8", int8.as_ref()),
+        ("ivf", Some(&ivf)),
+    ];
+    for (name, store) in stores.iter().filter_map(|(n, s)| s.map(|s| (*n, s))) {
         for (path, mode) in modes {
             let p = RfMemParams { mode, ..base };
             let s = measure(store, &queries, &p)?;
@@ -205,6 +229,31 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
             .count();
     }
     let per_kind = (queries.len() / 2).max(1) * k;
+    // The int8 scan against the exact one: rows in both top-k, all queries.
+    let mut int8_recall = f64::NAN;
+    if let Some(store) = &int8 {
+        let mut same = 0usize;
+        for q in &queries {
+            let e = exact
+                .search(q, k, f32::NEG_INFINITY)
+                .map_err(internal)?
+                .remove(0);
+            let a = store
+                .search(q, k, f32::NEG_INFINITY)
+                .map_err(internal)?
+                .remove(0);
+            same += a
+                .iter()
+                .filter(|h| e.iter().any(|x| x.index == h.index))
+                .count();
+        }
+        int8_recall = same as f64 / (queries.len() * k).max(1) as f64;
+        out.push(format!(
+            "  int8 recall@{k} vs exact: {int8_recall:.4}; its int8 copy {:.1} MiB beside {:.1} MiB of f32 rows",
+            store.extra_bytes() as f64 / (1u64 << 20) as f64,
+            (rows.len() * 4) as f64 / (1u64 << 20) as f64
+        ));
+    }
     let recall = hit[0] as f64 / per_kind as f64;
     let recall_unfamiliar = hit[1] as f64 / per_kind as f64;
     out.push(format!(
@@ -231,7 +280,13 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
         "  peak RSS {:.2} GiB",
         rss_bytes("VmHWM:") as f64 / (1u64 << 30) as f64
     ));
-    let served = if n >= b.ivf_min_rows { "ivf" } else { "exact" };
+    let served = if n >= b.ivf_min_rows {
+        "ivf"
+    } else if int8.is_some() && n >= steamrf_kernels::quant::INT8_MIN_ROWS {
+        "int8"
+    } else {
+        "exact"
+    };
     let get = |path: &str| {
         stats
             .iter()
@@ -242,8 +297,12 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     let (f50, f99) = get("familiarity");
     let (r50, r99) = get("recollection");
     let (a50, a99) = get("rf-mem");
+    let exact_p50 = stats
+        .iter()
+        .find(|(store, p, _)| *store == "exact" && *p == "familiarity")
+        .map_or(f64::NAN, |(_, _, s)| s.p50);
     out.push(format!(
-        "RESULT memories={n} store={served} p50_ms={f50:.4} p99_ms={f99:.4} recollection_p50_ms={r50:.4} recollection_p99_ms={r99:.4} rfmem_p50_ms={a50:.4} rfmem_p99_ms={a99:.4} hybrid_p50_ms={:.4} hybrid_p99_ms={:.4} hybrid_store={} hybrid_recall_vs_exact={:.3} ivf_recall_at_{k}={recall:.3} lancedb_topk_p50_ms={lance_p50:.4}",
+        "RESULT memories={n} store={served} p50_ms={f50:.4} p99_ms={f99:.4} recollection_p50_ms={r50:.4} recollection_p99_ms={r99:.4} rfmem_p50_ms={a50:.4} rfmem_p99_ms={a99:.4} hybrid_p50_ms={:.4} hybrid_p99_ms={:.4} hybrid_store={} hybrid_recall_vs_exact={:.3} ivf_recall_at_{k}={recall:.3} exact_f32_p50_ms={exact_p50:.4} int8_recall_vs_exact={int8_recall:.4} lancedb_topk_p50_ms={lance_p50:.4}",
         h.p50, h.p99, h.store, h.recall
     ));
     Ok(out)

@@ -10,6 +10,7 @@ use arrow_array::{Array, RecordBatch};
 use steamrf_kernels::Corpus;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::IvfParams;
+use steamrf_kernels::quant::{INT8_MIN_ROWS, QuantKernel};
 use steamrf_operators::embed::SparseVec;
 use steamrf_operators::lexical::{Bm25Index, Bm25Params, SparseIndex};
 use steamrf_operators::passage::{PassageIndex, Units};
@@ -60,13 +61,23 @@ pub fn vector_store(cfg: &ServeConfig, flat: Vec<f32>, min_rows: usize) -> Resul
         )
         .map_err(internal)?
     } else {
-        VectorStore::flat(
-            corpus,
-            CpuKernel {
-                threads: cfg.search_threads,
-                ..CpuKernel::default()
-            },
-        )
+        // int8 from the size where it pays; the kernel is refused on a CPU
+        // without VNNI, where "auto" means f32 and "int8" was refused at
+        // startup (validation).
+        let int8 = cfg.cpu_precision.int8() && n >= INT8_MIN_ROWS;
+        match int8.then(|| QuantKernel::new(cfg.rescore)) {
+            Some(Ok(mut kernel)) => {
+                kernel.threads = cfg.search_threads;
+                VectorStore::flat_int8(corpus, kernel).map_err(internal)?
+            }
+            _ => VectorStore::flat(
+                corpus,
+                CpuKernel {
+                    threads: cfg.search_threads,
+                    ..CpuKernel::default()
+                },
+            ),
+        }
     })
 }
 
@@ -403,6 +414,7 @@ pub fn build_user(
         + user_id.len() * 2
         + history.iter().map(|h| h.len() + 24).sum::<usize>()
         + vector_bytes
+        + index.extra_bytes()
         + index.bytes()
         + entries.iter().map(Entry::bytes).sum::<usize>()
         + mems.memories.iter().map(memory_bytes).sum::<usize>();
