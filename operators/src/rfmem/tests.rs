@@ -338,7 +338,7 @@ fn the_ivf_store_with_every_list_probed_is_exact() {
 /// clustered rows, and counts its int8 copy.
 #[test]
 fn the_int8_store_answers_as_the_exact_one() {
-    let Ok(mut kernel) = steamrf_kernels::quant::QuantKernel::new(4) else {
+    let Ok(mut kernel) = QuantKernel::new(4) else {
         eprintln!("int8 store: no AVX-512 VNNI on this machine, not run");
         return;
     };
