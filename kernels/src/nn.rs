@@ -278,24 +278,40 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 /// f32), branch-free so it vectorises. Max absolute error 4.2e-7 against the
 /// exact function (checked in the tests); PyTorch's exact GELU uses libm's erf.
 #[inline(always)]
-#[allow(clippy::excessive_precision)]
 pub fn erf(x: f32) -> f32 {
     let x = x.clamp(-4.0, 4.0);
     let x2 = x * x;
-    let mut p = -2.72614225801306e-10_f32;
-    p = p * x2 + 2.77068142495902e-08;
-    p = p * x2 + -2.10102402082508e-06;
-    p = p * x2 + -5.69250639462346e-05;
-    p = p * x2 + -7.34990630326855e-04;
-    p = p * x2 + -2.95459980854025e-03;
-    p = p * x2 + -1.60960333262415e-02;
-    let mut q = -1.45660718464996e-05_f32;
-    q = q * x2 + -2.13374055278905e-04;
-    q = q * x2 + -1.68282697438203e-03;
-    q = q * x2 + -7.37332916720468e-03;
-    q = q * x2 + -1.42647390514189e-02;
+    let mut p = ERF_P[0];
+    for c in &ERF_P[1..] {
+        p = p * x2 + c;
+    }
+    let mut q = ERF_Q[0];
+    for c in &ERF_Q[1..] {
+        q = q * x2 + c;
+    }
     x * p / q
 }
+
+/// [`erf`]'s rational approximation `x · P(x²) / Q(x²)`: the coefficients
+/// of P and Q, highest degree first (Q's are all negative, so Q < 0).
+#[allow(clippy::excessive_precision)]
+const ERF_P: [f32; 7] = [
+    -2.72614225801306e-10,
+    2.77068142495902e-08,
+    -2.10102402082508e-06,
+    -5.69250639462346e-05,
+    -7.34990630326855e-04,
+    -2.95459980854025e-03,
+    -1.60960333262415e-02,
+];
+#[allow(clippy::excessive_precision)]
+const ERF_Q: [f32; 5] = [
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+];
 
 /// In-place exact GELU: `x · (1 + erf(x / √2)) / 2`.
 pub fn gelu_erf(x: &mut [f32]) {
@@ -452,7 +468,6 @@ pub(crate) mod gelu512 {
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::excessive_precision)]
     pub(crate) fn gelu16(x: __m512) -> __m512 {
         let set = _mm512_set1_ps;
         let z = _mm512_mul_ps(x, set(std::f32::consts::FRAC_1_SQRT_2));
@@ -460,24 +475,12 @@ pub(crate) mod gelu512 {
         // their second operand when either is NaN).
         let z = _mm512_min_ps(set(4.0), _mm512_max_ps(set(-4.0), z));
         let z2 = _mm512_mul_ps(z, z);
-        let mut p = set(-2.72614225801306e-10);
-        for c in [
-            2.77068142495902e-08,
-            -2.10102402082508e-06,
-            -5.69250639462346e-05,
-            -7.34990630326855e-04,
-            -2.95459980854025e-03,
-            -1.60960333262415e-02,
-        ] {
+        let mut p = set(super::ERF_P[0]);
+        for &c in &super::ERF_P[1..] {
             p = _mm512_fmadd_ps(p, z2, set(c));
         }
-        let mut q = set(-1.45660718464996e-05);
-        for c in [
-            -2.13374055278905e-04,
-            -1.68282697438203e-03,
-            -7.37332916720468e-03,
-            -1.42647390514189e-02,
-        ] {
+        let mut q = set(super::ERF_Q[0]);
+        for &c in &super::ERF_Q[1..] {
             q = _mm512_fmadd_ps(q, z2, set(c));
         }
         // q <= -0.0142 for every z (all its coefficients are negative), so

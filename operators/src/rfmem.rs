@@ -384,27 +384,13 @@ impl VectorStore {
     /// only when the int8 error pushes it out of the candidates). The int8
     /// copy is built here, so [`Self::extra_bytes`] counts it from the
     /// start.
-    ///
-    /// # Errors
-    /// Kernel errors.
-    pub fn flat_int8(corpus: Corpus, kernel: QuantKernel) -> Result<Self, Error> {
-        if !corpus.is_empty() {
-            let probe = corpus.row(0).to_vec();
-            kernel.top_k(
-                &probe,
-                &corpus,
-                &SearchParams {
-                    k: 1,
-                    min_score: f32::NEG_INFINITY,
-                    exclude: None,
-                },
-            )?;
-        }
-        Ok(Self {
+    pub fn flat_int8(corpus: Corpus, kernel: QuantKernel) -> Self {
+        kernel.prepare(&corpus);
+        Self {
             corpus,
             ivf: None,
             scan: Scan::Int8(kernel),
-        })
+        }
     }
 
     /// Bytes held beside the f32 rows (the int8 copy of an int8 store).

@@ -102,6 +102,14 @@ impl QuantKernel {
             .sum()
     }
 
+    /// Builds (or brings up to date) the int8 copy of `corpus` now rather
+    /// than at its first search, so its bytes can be counted up front.
+    pub fn prepare(&self, corpus: &Corpus) {
+        if corpus.len() >= self.f32_below {
+            self.blocks(corpus);
+        }
+    }
+
     /// The int8 blocks of `corpus`, brought up to date from its change log.
     fn blocks(&self, corpus: &Corpus) -> Vec<Arc<QuantLinear>> {
         let (n, dim, rows) = (corpus.len(), corpus.dim(), self.block_rows.max(1));

@@ -345,8 +345,7 @@ fn the_int8_store_answers_as_the_exact_one() {
     kernel.threads = 1;
     let dim = 64;
     let (flat, rows) = random_store(9_000, dim, 11, 1);
-    let int8 =
-        VectorStore::flat_int8(Corpus::from_vec(rows.clone(), dim).unwrap(), kernel).unwrap();
+    let int8 = VectorStore::flat_int8(Corpus::from_vec(rows.clone(), dim).unwrap(), kernel);
     assert!(int8.is_int8() && !flat.is_int8());
     assert_eq!(flat.extra_bytes(), 0);
     // The int8 codes: about a quarter of the f32 rows, built up front.

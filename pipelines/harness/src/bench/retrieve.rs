@@ -165,13 +165,10 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
         Ok(mut kernel) => {
             kernel.threads = 1;
             kernel.f32_below = 0;
-            Some(
-                VectorStore::flat_int8(
-                    Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
-                    kernel,
-                )
-                .map_err(internal)?,
-            )
+            Some(VectorStore::flat_int8(
+                Corpus::from_vec(rows.clone(), dim).map_err(internal)?,
+                kernel,
+            ))
         }
         Err(_) => None,
     };
@@ -215,18 +212,7 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     let k = base.k;
     let mut hit = [0usize; 2];
     for (i, q) in queries.iter().enumerate() {
-        let e = exact
-            .search(q, k, f32::NEG_INFINITY)
-            .map_err(internal)?
-            .remove(0);
-        let a = ivf
-            .search(q, k, f32::NEG_INFINITY)
-            .map_err(internal)?
-            .remove(0);
-        hit[i % 2] += a
-            .iter()
-            .filter(|h| e.iter().any(|x| x.index == h.index))
-            .count();
+        hit[i % 2] += shared_top_k(&exact, &ivf, q, k)?;
     }
     let per_kind = (queries.len() / 2).max(1) * k;
     // The int8 scan against the exact one: rows in both top-k, all queries.
@@ -234,18 +220,7 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
     if let Some(store) = &int8 {
         let mut same = 0usize;
         for q in &queries {
-            let e = exact
-                .search(q, k, f32::NEG_INFINITY)
-                .map_err(internal)?
-                .remove(0);
-            let a = store
-                .search(q, k, f32::NEG_INFINITY)
-                .map_err(internal)?
-                .remove(0);
-            same += a
-                .iter()
-                .filter(|h| e.iter().any(|x| x.index == h.index))
-                .count();
+            same += shared_top_k(&exact, store, q, k)?;
         }
         int8_recall = same as f64 / (queries.len() * k).max(1) as f64;
         out.push(format!(
@@ -306,6 +281,20 @@ pub async fn retrieve(b: RetrieveBench) -> Result<Vec<String>> {
         h.p50, h.p99, h.store, h.recall
     ));
     Ok(out)
+}
+
+/// Rows of `b`'s top-`k` for `q` that `a`'s top-`k` has too.
+fn shared_top_k(a: &VectorStore, b: &VectorStore, q: &[f32], k: usize) -> Result<usize> {
+    let top = |s: &VectorStore| -> Result<Vec<u32>> {
+        Ok(s.search(q, k, f32::NEG_INFINITY)
+            .map_err(internal)?
+            .remove(0)
+            .iter()
+            .map(|h| h.index)
+            .collect())
+    };
+    let want = top(a)?;
+    Ok(top(b)?.iter().filter(|i| want.contains(i)).count())
 }
 
 /// The served path over the same rows as sessions: `windows` passage

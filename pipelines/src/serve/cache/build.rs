@@ -68,7 +68,7 @@ pub fn vector_store(cfg: &ServeConfig, flat: Vec<f32>, min_rows: usize) -> Resul
         match int8.then(|| QuantKernel::new(cfg.rescore)) {
             Some(Ok(mut kernel)) => {
                 kernel.threads = cfg.search_threads;
-                VectorStore::flat_int8(corpus, kernel).map_err(internal)?
+                VectorStore::flat_int8(corpus, kernel)
             }
             _ => VectorStore::flat(
                 corpus,
