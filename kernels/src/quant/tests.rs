@@ -22,6 +22,22 @@ fn both() -> [Format; 2] {
     [Format::Int16, Format::Int8]
 }
 
+/// The VNNI kernel itself where the CPU has VNNI, whichever unit `forward`
+/// picks (int8 runs on AMX tiles where it can), so both formats' VNNI
+/// paths are checked on AMX machines too.
+fn vnni_kernel(layer: &QuantLinear, x: &[f32], t: usize, gelu: bool) -> Option<Vec<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    if vnni_available() {
+        let q = layer.quantise(x, t);
+        let mut out = vec![f32::NAN; t * layer.n];
+        // SAFETY: the CPU has AVX-512F, BW and VNNI (checked just above);
+        // `q` is this layer's quantisation of t rows, `out` holds t × n.
+        unsafe { vnni::forward(layer, &q, &mut out, t, gelu) };
+        return Some(out);
+    }
+    None
+}
+
 proptest! {
     /// VNNI and the scalar reference compute the same integers on odd shapes
     /// (row tails, channel tails, k not a multiple of the group), NaN inputs
@@ -43,6 +59,33 @@ proptest! {
             for (a, b) in fast.iter().zip(&slow) {
                 prop_assert!(a.is_finite(), "{format:?}: {a}");
                 prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{format:?}: {a} vs {b}");
+            }
+            for (a, b) in vnni_kernel(&layer, &x, t, false).unwrap_or_default().iter().zip(&slow) {
+                prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{format:?} on VNNI: {a} vs {b}");
+            }
+        }
+    }
+
+    /// GELU in the epilogue gives GELU after the layer, within a few ulps
+    /// (the 16-lane GELU against the scalar one), on odd shapes.
+    #[test]
+    fn gelu_in_the_epilogue_is_the_layer_then_gelu(t in 0usize..20, k in 1usize..70, n in 1usize..110, seed in 0u64..1000) {
+        let x: Vec<f32> = values(t * k, seed).iter().map(|v| 4.0 * v).collect();
+        let w = values(n * k, seed + 1);
+        let bias = values(n, seed + 2);
+        for format in both() {
+            let layer = QuantLinear::new(format, &w, &bias, n, k);
+            let mut fused = vec![f32::NAN; t * n];
+            let mut pre = vec![f32::NAN; t * n];
+            layer.forward_gelu(&mut fused, &x, t);
+            layer.forward(&mut pre, &x, t);
+            let on_vnni = vnni_kernel(&layer, &x, t, true);
+            for (a, &p) in fused.iter().chain(on_vnni.iter().flatten()).zip(pre.iter().cycle()) {
+                let b = crate::nn::gelu(p);
+                // A few ulps of the result, and of the input where 1 + erf
+                // cancels (as `nn`'s own test of the 16-lane GELU).
+                let bound = 1e-5 * b.abs() + 8.0 * f32::EPSILON * p.abs();
+                prop_assert!((a - b).abs() <= bound, "{format:?}: gelu({p}) = {a}, not {b}");
             }
         }
     }
@@ -83,6 +126,41 @@ proptest! {
         codes_u8(&x, lo, inv, &mut a[..k]);
         codes_u8_body(&x, lo, inv, &mut b[..k]);
         prop_assert_eq!(a, b);
+    }
+}
+
+/// Rows past one block of rows, and inputs past one chunk of groups (sums
+/// carried between chunks, then finished in registers), with tails of rows,
+/// channels and groups: the same integers as the scalar reference.
+#[test]
+fn row_blocks_and_chunks_match_the_scalar_reference() {
+    let (t, k, n): (usize, usize, usize) = (601, 1601, 53);
+    for format in both() {
+        let per = format.per_group();
+        let stride = k.div_ceil(per) * 4;
+        assert!(k.div_ceil(per) > 2 * KC, "{format:?}: fewer than 3 chunks");
+        assert!(
+            t * stride > 2 * ROWS_BYTES,
+            "{format:?}: fewer than 3 row blocks"
+        );
+        let x = values(t * k, 11);
+        let w = values(n * k, 12);
+        let bias = values(n, 13);
+        let layer = QuantLinear::new(format, &w, &bias, n, k);
+        let (mut fast, mut slow) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
+        layer.forward(&mut fast, &x, t);
+        layer.forward_scalar(&mut slow, &x, t);
+        let on_vnni = vnni_kernel(&layer, &x, t, false);
+        for (a, b) in fast
+            .iter()
+            .chain(on_vnni.iter().flatten())
+            .zip(slow.iter().cycle())
+        {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{format:?}: {a} vs {b}"
+            );
+        }
     }
 }
 

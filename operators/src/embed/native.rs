@@ -67,7 +67,8 @@ impl Dense {
     /// secondᵀ + b₂` (`self` is the first layer). In bf16 the first layer
     /// hands its GELU output to the second already rounded and packed, so
     /// the `t × intermediate` activations never exist in f32; the other
-    /// formats go through `inter` (grown as needed), GELU in place.
+    /// formats go through `inter` (grown as needed): int16 and int8 apply
+    /// GELU as they write it, f32 in place after.
     pub(super) fn feed_forward(
         &self,
         second: &Self,
@@ -80,6 +81,11 @@ impl Dense {
             (Self::Bf16(first), Self::Bf16(second)) => {
                 first.forward_gelu_packed(&mut inter.packed, x, t);
                 second.forward_packed(out, &inter.packed);
+            }
+            (Self::Quant(first), _) => {
+                inter.f32.resize(t * first.outputs(), 0.0);
+                first.forward_gelu(&mut inter.f32, x, t);
+                second.apply(out, &inter.f32, t);
             }
             _ => {
                 let width = match self {
