@@ -28,9 +28,9 @@
 //! 5.5 G/s (707 G op/s, 4.2×).
 //!
 //! The VNNI kernel's loops (`vnni::forward_as`): rows in blocks whose
-//! activations fit [`ROWS_BYTES`] (kept in L2 while every block of [`NR`]
-//! channels passes over them), inputs in chunks of [`KC`] groups (the
-//! chunk's slice of a weight block, 36 KiB, stays in L1), and [`MR`] × NR
+//! activations fit `ROWS_BYTES` (kept in L2 while every block of [`NR`]
+//! channels passes over them), inputs in chunks of `KC` groups (the
+//! chunk's slice of a weight block, 36 KiB, stays in L1), and `MR` × NR
 //! tiles of `i32` sums in 24 zmm registers. The last chunk's sums go from
 //! registers through the epilogue (scales, bias, GELU for a feed-forward
 //! block's first layer) straight to the f32 output. Measured on an Intel
