@@ -579,9 +579,13 @@ impl SteamStage {
         self.state = self.state.emptied();
     }
 
-    /// Makes this stage the community writer ([`Self::apply_changes`]).
+    /// Makes this stage the community writer ([`Self::apply_changes`]), its
+    /// state [lean](SteamState::lean) (each embedding kept once; no text a
+    /// writer does not read). Called before any memory is loaded: memories
+    /// held are dropped, the catalogue is kept.
     pub fn into_writer(mut self) -> Self {
         self.writer = true;
+        self.state = self.state.emptied().lean();
         self
     }
 

@@ -28,7 +28,7 @@ use steamrf_kernels::SimilarityKernel;
 use self::community::{Communities, CommunityDelta, GraphBatch};
 use self::memory::{EvolveParams, Memory, Observation, Step, UserMemories, summarise};
 use self::relations::{Link, MemoryIndex};
-use self::tally::{Tallies, Tally};
+use self::tally::{Member, Tallies, Tally};
 
 pub use self::ids::{IdKey, MemoryId};
 
@@ -160,6 +160,8 @@ pub struct SteamState {
     /// Titles and categories of the items observed or learned: the only
     /// text a prototype is built from.
     catalogue: HashMap<String, ItemFacts>,
+    /// The community writer's state ([`SteamState::lean`]).
+    lean: bool,
 }
 
 impl SteamState {
@@ -175,7 +177,41 @@ impl SteamState {
             prototypes: HashMap::new(),
             tallies: Tallies::new(dim),
             catalogue: HashMap::new(),
+            lean: false,
         }
+    }
+
+    /// The state a community writer keeps (`steamrf communities`), which
+    /// restores memories ([`SteamState::restore_memory`]), links them and
+    /// keeps communities and prototypes, but never forms, consolidates,
+    /// writes or recommends memories. Each memory's embedding is kept once,
+    /// in the relation index, instead of also on the [`Memory`]; and what
+    /// only formation and the `memories` table read (content, interaction
+    /// ids, facets, recent snippets) is not kept. So [`SteamState::memory`]
+    /// returns memories without those (an empty `embedding`: read it with
+    /// [`SteamState::embedding`]). Links, communities and prototypes are the
+    /// same as a full state's (a test). 1,536 bytes less per memory at 384
+    /// dimensions, plus whatever the text fields held.
+    pub fn lean(mut self) -> Self {
+        self.lean = true;
+        self
+    }
+
+    /// Whether this is a writer's lean state.
+    pub fn is_lean(&self) -> bool {
+        self.lean
+    }
+
+    /// Refuses to form memories in a lean state (their embeddings and text
+    /// are not kept there to consolidate into).
+    fn forms(&self) -> Result<(), steamrf_kernels::Error> {
+        if self.lean {
+            return Err(steamrf_kernels::Error::InvalidInput {
+                message: "a community writer's lean state restores memories; it does not form them"
+                    .to_owned(),
+            });
+        }
+        Ok(())
     }
 
     /// Keeps a tally for every community of at least `members` members
@@ -192,6 +228,7 @@ impl SteamState {
     pub fn emptied(&self) -> Self {
         Self {
             catalogue: self.catalogue.clone(),
+            lean: self.lean,
             ..Self::new(self.params, self.index.dim())
         }
     }
@@ -228,9 +265,16 @@ impl SteamState {
         self.users.keys().map(String::as_str)
     }
 
-    /// A memory by id.
+    /// A memory by id (in a [lean](SteamState::lean) state, without its
+    /// embedding and text fields).
     pub fn memory(&self, id: MemoryId) -> Option<&Memory> {
         find(&self.users, &self.owner, id)
+    }
+
+    /// A memory's embedding, wherever the state keeps it.
+    pub fn embedding(&self, id: MemoryId) -> Option<&[f32]> {
+        let m = self.memory(id)?;
+        Some(member(&self.index, m).embedding)
     }
 
     /// Published prototypes.
@@ -268,12 +312,23 @@ impl SteamState {
             return Ok(());
         }
         // `users` and `index` are disjoint fields: no copy of the embedding.
-        let emb = self
+        let m = self
             .users
-            .get(user_id)
-            .and_then(|u| u.memories.iter().find(|m| m.id == id))
-            .map_or(&[][..], |m| m.embedding.as_slice());
-        self.index.upsert(id, user_id, emb)
+            .get_mut(user_id)
+            .and_then(|u| u.memories.iter_mut().find(|m| m.id == id));
+        let Some(m) = m else {
+            return self.index.upsert(id, user_id, &[]);
+        };
+        if self.lean && m.embedding.is_empty() && self.index.embedding(id).is_some() {
+            // Already moved into the index, unchanged since.
+            return Ok(());
+        }
+        self.index.upsert(id, user_id, &m.embedding)?;
+        if self.lean {
+            // The index's row is the one copy.
+            m.embedding = Vec::new();
+        }
+        Ok(())
     }
 
     /// t = 0: a user's memory from their profile; `None` when the profile is
@@ -289,6 +344,7 @@ impl SteamState {
         content: String,
         embedding: Vec<f32>,
     ) -> Result<Option<MemoryId>, steamrf_kernels::Error> {
+        self.forms()?;
         // The profile memory is replaced in place: out of its community's
         // tally before, back in after (changed or not).
         let profile = self.params.evolve.id_key.profile(user_id);
@@ -322,6 +378,7 @@ impl SteamState {
         &mut self,
         mut batch: Vec<(String, Observation)>,
     ) -> Result<ObserveOutcome, steamrf_kernels::Error> {
+        self.forms()?;
         batch.sort_by(|a, b| {
             (a.0.as_str(), a.1.timestamp_ms, a.1.event_id.as_str()).cmp(&(
                 b.0.as_str(),
@@ -373,7 +430,7 @@ impl SteamState {
                     ),
                 });
             }
-            let (tallies, communities) = (&mut self.tallies, &self.communities);
+            let (tallies, communities, index) = (&mut self.tallies, &self.communities, &self.index);
             let step = self
                 .users
                 .entry(user_id.clone())
@@ -382,7 +439,7 @@ impl SteamState {
                     if let Some(c) = communities.community_of(m.id)
                         && out_of_tally.insert(m.id)
                     {
-                        tallies.leave(c, m);
+                        tallies.leave(c, member(index, m));
                     }
                 });
             let id = match step {
@@ -509,7 +566,7 @@ impl SteamState {
         // Out of their communities' tallies while their content is at hand.
         for m in removed.iter().flat_map(|u| &u.memories) {
             if let Some(c) = self.communities.community_of(m.id) {
-                self.tallies.leave(c, m);
+                self.tallies.leave(c, member(&self.index, m));
             }
         }
         let batch = GraphBatch {
@@ -612,8 +669,15 @@ impl SteamState {
     ///
     /// # Errors
     /// A wrong-length or non-finite embedding.
-    pub fn restore_memory(&mut self, m: Memory) -> Result<(), steamrf_kernels::Error> {
+    pub fn restore_memory(&mut self, mut m: Memory) -> Result<(), steamrf_kernels::Error> {
         let (user, id) = (m.user_id.clone(), m.id);
+        if self.lean {
+            m.content = String::new();
+            m.interactions = Vec::new();
+            m.facets = BTreeMap::new();
+            m.recent = Vec::new();
+            m.items.shrink_to_fit();
+        }
         if let Some(owner) = self.owner.get(&id)
             && *owner != user
         {
@@ -630,8 +694,8 @@ impl SteamState {
             Some(x) => {
                 // Replaced in place: its community's tally follows.
                 if let Some(c) = self.communities.community_of(id) {
-                    self.tallies.leave(c, x);
-                    self.tallies.join(c, &m);
+                    self.tallies.leave(c, member(&self.index, x));
+                    self.tallies.join(c, member(&self.index, &m));
                 }
                 *x = m;
             }
@@ -664,11 +728,11 @@ impl SteamState {
         self.prototypes.clear();
         self.tallies.clear();
         for (c, members) in self.communities.iter() {
-            let (users, owner) = (&self.users, &self.owner);
+            let (users, owner, index) = (&self.users, &self.owner, &self.index);
             self.tallies.resize(c, members.len(), || {
                 members
                     .iter()
-                    .filter_map(|&m| find(users, owner, m))
+                    .filter_map(|&m| Some(member(index, find(users, owner, m)?)))
                     .collect()
             });
         }
@@ -699,7 +763,9 @@ impl SteamState {
     /// users, and the sum of the embeddings. Prototypes are built from it,
     /// and so are their LLM prompts.
     pub fn digest(&self, members: &[MemoryId], max_titles: usize) -> Digest {
-        let found = members.iter().filter_map(|&id| self.memory(id));
+        let found = members
+            .iter()
+            .filter_map(|&id| Some(member(&self.index, self.memory(id)?)));
         Tally::of(self.tallies.dim(), found).digest(
             &self.catalogue,
             self.params.min_users,
@@ -720,17 +786,17 @@ impl SteamState {
     /// community changed between the tallies.
     fn apply_graph(&mut self, batch: &GraphBatch) -> CommunityDelta {
         let delta = self.communities.apply(batch);
-        let (users, owner) = (&self.users, &self.owner);
+        let (users, owner, index) = (&self.users, &self.owner, &self.index);
         for (&m, &c) in &delta.left {
             // A forgotten memory left its tally before it went.
             if let Some(mem) = find(users, owner, m) {
-                self.tallies.leave(c, mem);
+                self.tallies.leave(c, member(index, mem));
             }
         }
         for &m in &delta.moved {
             if let (Some(c), Some(mem)) = (self.communities.community_of(m), find(users, owner, m))
             {
-                self.tallies.join(c, mem);
+                self.tallies.join(c, member(index, mem));
             }
         }
         for &c in &delta.removed {
@@ -743,7 +809,7 @@ impl SteamState {
             self.tallies.resize(c, members.len(), || {
                 members
                     .iter()
-                    .filter_map(|&m| find(users, owner, m))
+                    .filter_map(|&m| Some(member(index, find(users, owner, m)?)))
                     .collect()
             });
             debug_assert!(
@@ -765,7 +831,7 @@ impl SteamState {
             self.communities.community_of(id),
             find(&self.users, &self.owner, id),
         ) {
-            self.tallies.leave(c, m);
+            self.tallies.leave(c, member(&self.index, m));
         }
     }
 
@@ -775,7 +841,7 @@ impl SteamState {
             self.communities.community_of(id),
             find(&self.users, &self.owner, id),
         ) {
-            self.tallies.join(c, m);
+            self.tallies.join(c, member(&self.index, m));
         }
     }
 
@@ -838,6 +904,20 @@ fn find<'a>(
 ) -> Option<&'a Memory> {
     let u = users.get(owner.get(&id)?)?;
     u.memories.iter().find(|m| m.id == id)
+}
+
+/// `m` as its community's tally reads it: its embedding from the memory, or
+/// from the relation index where a lean state keeps it alone.
+fn member<'a>(index: &'a MemoryIndex, m: &'a Memory) -> Member<'a> {
+    let embedding = if m.embedding.is_empty() {
+        index.embedding(m.id).unwrap_or(&[])
+    } else {
+        &m.embedding
+    };
+    Member {
+        memory: m,
+        embedding,
+    }
 }
 
 /// The items at least `floor` (and at least one) distinct users chose among

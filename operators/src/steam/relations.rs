@@ -181,6 +181,12 @@ impl MemoryIndex {
         Ok(())
     }
 
+    /// Memory `id`'s embedding, if it is indexed.
+    pub fn embedding(&self, id: MemoryId) -> Option<&[f32]> {
+        let &(t, row) = self.row_of.get(&id)?;
+        Some(self.parts[t as usize].corpus.row(row))
+    }
+
     /// Removes memory `id` (its row is reused later).
     pub fn remove(&mut self, id: MemoryId) {
         if let Some((t, row)) = self.row_of.remove(&id) {

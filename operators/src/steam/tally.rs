@@ -18,6 +18,15 @@ use std::collections::HashMap;
 use super::memory::Memory;
 use super::{Digest, ItemFacts, MemoryId};
 
+/// A member as a tally reads it: its owner and items from the memory, its
+/// embedding from wherever the state keeps it (the memory, or only the
+/// relation index: [`super::SteamState::lean`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Member<'a> {
+    pub(super) memory: &'a Memory,
+    pub(super) embedding: &'a [f32],
+}
+
 /// Fixed-point units per 1.0 of an embedding value.
 const SCALE: f64 = 4_294_967_296.0;
 
@@ -44,7 +53,7 @@ pub(super) struct Tally {
 
 impl Tally {
     /// The tally of `members`.
-    pub(super) fn of<'a>(dim: usize, members: impl IntoIterator<Item = &'a Memory>) -> Self {
+    pub(super) fn of<'a>(dim: usize, members: impl IntoIterator<Item = Member<'a>>) -> Self {
         let mut t = Self::default();
         for m in members {
             t.join(dim, m);
@@ -52,15 +61,16 @@ impl Tally {
         t
     }
 
-    pub(super) fn join(&mut self, dim: usize, m: &Memory) {
+    pub(super) fn join(&mut self, dim: usize, m: Member<'_>) {
         self.apply(dim, m, true);
     }
 
-    pub(super) fn leave(&mut self, dim: usize, m: &Memory) {
+    pub(super) fn leave(&mut self, dim: usize, m: Member<'_>) {
         self.apply(dim, m, false);
     }
 
-    fn apply(&mut self, dim: usize, m: &Memory, join: bool) {
+    fn apply(&mut self, dim: usize, member: Member<'_>, join: bool) {
+        let m = member.memory;
         self.members = if join {
             self.members + 1
         } else {
@@ -68,11 +78,11 @@ impl Tally {
         };
         // A member of another length (a profile memory is not checked
         // against the index) adds nothing to the sum, as in the digest.
-        if m.embedding.len() == dim {
+        if member.embedding.len() == dim {
             if self.sum.is_empty() {
                 self.sum = vec![0; dim];
             }
-            for (s, &v) in self.sum.iter_mut().zip(&m.embedding) {
+            for (s, &v) in self.sum.iter_mut().zip(member.embedding) {
                 *s = if join {
                     s.wrapping_add(fixed(v))
                 } else {
@@ -213,7 +223,7 @@ impl Tallies {
     }
 
     /// `m` joins community `c`'s tally, if `c` keeps one.
-    pub(super) fn join(&mut self, c: MemoryId, m: &Memory) {
+    pub(super) fn join(&mut self, c: MemoryId, m: Member<'_>) {
         if let Some(t) = self.by_community.get_mut(&c) {
             t.join(self.dim, m);
         }
@@ -222,7 +232,7 @@ impl Tallies {
     /// `m` leaves community `c`'s tally, if `c` keeps one. An emptied tally
     /// stays until the community is gone ([`Tallies::remove`]): a member
     /// changed in place leaves and joins again.
-    pub(super) fn leave(&mut self, c: MemoryId, m: &Memory) {
+    pub(super) fn leave(&mut self, c: MemoryId, m: Member<'_>) {
         if let Some(t) = self.by_community.get_mut(&c) {
             t.leave(self.dim, m);
         }
@@ -234,7 +244,7 @@ impl Tallies {
         &mut self,
         c: MemoryId,
         size: usize,
-        members: impl FnOnce() -> Vec<&'a Memory>,
+        members: impl FnOnce() -> Vec<Member<'a>>,
     ) {
         let kept = self.by_community.contains_key(&c);
         if !kept && size >= self.keep_from {

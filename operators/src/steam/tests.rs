@@ -537,7 +537,9 @@ mod tallies {
         }
     }
 
-    fn apply(s: &mut SteamState, step: usize, op: &Op) {
+    /// Applies `op` to `s`; the memories it changed and then linked (none
+    /// for a forget or a refused batch).
+    fn apply(s: &mut SteamState, step: usize, op: &Op) -> Vec<MemoryId> {
         let kernel = CpuKernel::default();
         let user = |u: &u8| format!("u{u}");
         let changed = match op {
@@ -555,7 +557,7 @@ mod tallies {
             }
             Op::Restore(u, d, i) => {
                 let Some(mut m) = s.user(&user(u)).and_then(|x| x.memories.first()).cloned() else {
-                    return;
+                    return Vec::new();
                 };
                 m.embedding = memory::normalized(direction(*d));
                 m.items.push(format!("i{i}"));
@@ -577,7 +579,7 @@ mod tallies {
                 .collect(),
             Op::Forget(u) => {
                 s.forget_user(&kernel, &user(u)).unwrap();
-                return;
+                return Vec::new();
             }
             Op::Bad(u, d) => {
                 // A good observation, then a short vector in the same batch.
@@ -595,10 +597,15 @@ mod tallies {
                     (user(u), o("h", vec![1.0, 0.0, 0.0])),
                 ];
                 assert!(s.observe(batch).is_err());
-                return;
+                return Vec::new();
             }
         };
         s.link(&kernel, &changed).unwrap();
+        changed
+    }
+
+    fn close(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6)
     }
 
     fn prototypes(s: &SteamState) -> BTreeMap<MemoryId, Prototype> {
@@ -643,6 +650,71 @@ mod tallies {
                 prop_assert_eq!(s.tallies.len(), s.communities().count());
                 prop_assert_eq!(prototypes(&states[1]), prototypes(s));
                 prop_assert_eq!(prototypes(&states[2]), prototypes(s));
+            }
+        }
+
+        /// A community writer's lean state, fed what a writer is fed (each
+        /// changed memory as the full state holds it, then linked; forgets),
+        /// keeps each embedding only in its index and has the same links,
+        /// communities and prototypes as the full state, after every step.
+        /// The index's copy is normalised again on the way in, so embeddings
+        /// (and prototype vectors, their normalised sums) agree to a few
+        /// ulps, not bits.
+        #[test]
+        fn a_lean_writer_state_links_and_publishes_as_the_full_one(
+            ops in prop::collection::vec(op(), 1..40),
+            cap in prop_oneof![Just(0usize), 2usize..6],
+        ) {
+            let params = SteamParams {
+                min_users: 2,
+                max_community: cap,
+                ..SteamParams::default()
+            };
+            let kernel = CpuKernel::default();
+            let mut full = SteamState::new(params, 4);
+            let mut lean = SteamState::new(params, 4).lean();
+            for (step, op) in ops.iter().enumerate() {
+                match op {
+                    // A refused batch may have changed the full state before
+                    // its bad observation; a writer never sees one.
+                    Op::Bad(..) => continue,
+                    Op::Forget(u) => {
+                        apply(&mut full, step, op);
+                        lean.forget_user(&kernel, &format!("u{u}")).unwrap();
+                    }
+                    _ => {
+                        let changed = apply(&mut full, step, op);
+                        // The catalogue, as a writer learns it from `items`.
+                        for (item, facts) in &full.catalogue {
+                            lean.learn_item(item, facts.clone());
+                        }
+                        for id in &changed {
+                            if let Some(m) = full.memory(*id) {
+                                lean.restore_memory(m.clone()).unwrap();
+                            }
+                        }
+                        lean.link(&kernel, &changed).unwrap();
+                    }
+                }
+                prop_assert_eq!(lean.communities().partition(), full.communities().partition());
+                prop_assert_eq!(&lean.out_links, &full.out_links);
+                let (a, b) = (prototypes(&lean), prototypes(&full));
+                prop_assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+                for (p, q) in a.values().zip(b.values()) {
+                    prop_assert_eq!((&p.content, &p.members, p.users), (&q.content, &q.members, q.users));
+                    prop_assert!(close(&p.embedding, &q.embedding), "{:?} vs {:?}", p.embedding, q.embedding);
+                }
+                for u in full.user_ids() {
+                    for m in &full.user(u).unwrap().memories {
+                        let kept = lean.memory(m.id).expect("restored");
+                        let profile = m.id == params.evolve.id_key.profile(u);
+                        prop_assert_eq!(kept.embedding.is_empty(), !profile);
+                        prop_assert!(kept.content.is_empty() && kept.interactions.is_empty());
+                        let kept_embedding = lean.embedding(m.id).expect("kept");
+                        prop_assert!(close(kept_embedding, &m.embedding), "{kept_embedding:?} vs {:?}", m.embedding);
+                        prop_assert_eq!(kept.community, m.community);
+                    }
+                }
             }
         }
     }

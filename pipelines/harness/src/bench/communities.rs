@@ -223,7 +223,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let rss_at_start = rss_bytes("VmRSS:");
     let mut phases: Vec<(&str, u64)> = Vec::new();
     let mut states: Vec<SteamState> = (0..writers)
-        .map(|_| SteamState::new(params, b.dim))
+        .map(|_| SteamState::new(params, b.dim).lean())
         .collect();
     // Per writer, per topic: the initial memories, with their users.
     let mut by_topic: Vec<Vec<Vec<(u64, usize)>>> = vec![vec![Vec::new(); topics]; writers];
@@ -249,7 +249,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         None => format!("synthetic memories in {topics} topics"),
     };
     phases.push((
-        "memories (each with its embedding, items and facets)",
+        "memories (each with its embedding, kept once in the relation index, and items)",
         rss_bytes("VmRSS:"),
     ));
     let held: Vec<usize> = states.iter().map(SteamState::len).collect();
@@ -646,8 +646,8 @@ fn initial_links(
         }
         let mut rows = Vec::with_capacity(members.len() * b.dim);
         for &(id, _) in members {
-            if let Some(m) = state.memory(mid(id)) {
-                rows.extend_from_slice(&m.embedding);
+            if let Some(e) = state.embedding(mid(id)) {
+                rows.extend_from_slice(e);
             }
         }
         let corpus = Corpus::from_rows(&rows, b.dim).map_err(internal)?;

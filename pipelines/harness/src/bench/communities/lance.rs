@@ -71,10 +71,10 @@ fn rows(state: &SteamState, dim: usize) -> Rows {
     };
     for u in state.user_ids() {
         for m in state.user(u).map(|x| x.memories.as_slice()).unwrap_or(&[]) {
-            if m.embedding.len() == dim {
+            if let Some(e) = state.embedding(m.id).filter(|e| e.len() == dim) {
                 r.ids.push(m.id);
                 r.users.push(m.user_id.clone());
-                r.vectors.extend_from_slice(&m.embedding);
+                r.vectors.extend_from_slice(e);
             }
         }
     }
