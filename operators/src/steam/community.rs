@@ -75,10 +75,59 @@ pub struct CommunityDelta {
     pub refused: u64,
 }
 
+/// A memory's neighbours: a sorted `Vec` (a `BTreeSet` allocates a whole
+/// node, ~200 bytes, for the few links most memories have).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Neighbours(Vec<MemoryId>);
+
+impl Neighbours {
+    /// Adds `m`; true if it was not there.
+    fn insert(&mut self, m: MemoryId) -> bool {
+        match self.0.binary_search(&m) {
+            Ok(_) => false,
+            Err(at) => {
+                self.0.insert(at, m);
+                true
+            }
+        }
+    }
+
+    /// Removes `m`; true if it was there.
+    fn remove(&mut self, m: &MemoryId) -> bool {
+        match self.0.binary_search(m) {
+            Ok(at) => {
+                self.0.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, MemoryId> {
+        self.0.iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a Neighbours {
+    type Item = &'a MemoryId;
+    type IntoIter = std::slice::Iter<'a, MemoryId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl IntoIterator for Neighbours {
+    type Item = MemoryId;
+    type IntoIter = std::vec::IntoIter<MemoryId>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
 /// The link graph and its communities.
 #[derive(Debug, Clone, Default)]
 pub struct Communities {
-    adj: HashMap<MemoryId, BTreeSet<MemoryId>>,
+    adj: HashMap<MemoryId, Neighbours>,
     label: HashMap<MemoryId, MemoryId>,
     members: HashMap<MemoryId, BTreeSet<MemoryId>>,
     /// Largest community a merge may make (0: unbounded).
@@ -255,7 +304,7 @@ impl Communities {
         if self.adj.contains_key(&m) {
             return false;
         }
-        self.adj.insert(m, BTreeSet::new());
+        self.adj.insert(m, Neighbours::default());
         self.label.insert(m, m);
         self.members.insert(m, BTreeSet::from([m]));
         delta.changed.insert(m);
