@@ -604,6 +604,16 @@ mod tallies {
         changed
     }
 
+    /// The properties' parameters: a floor of 2 users, communities capped
+    /// at `cap` members (0: unbounded).
+    fn params(cap: usize) -> SteamParams {
+        SteamParams {
+            min_users: 2,
+            max_community: cap,
+            ..SteamParams::default()
+        }
+    }
+
     fn close(a: &[f32], b: &[f32]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6)
     }
@@ -624,11 +634,7 @@ mod tallies {
             ops in prop::collection::vec(op(), 1..40),
             cap in prop_oneof![Just(0usize), 2usize..6],
         ) {
-            let params = SteamParams {
-                min_users: 2,
-                max_community: cap,
-                ..SteamParams::default()
-            };
+            let params = params(cap);
             let mut states: Vec<SteamState> = [1, 3, usize::MAX]
                 .into_iter()
                 .map(|from| SteamState::new(params, 4).keeping_tallies_from(from))
@@ -665,11 +671,7 @@ mod tallies {
             ops in prop::collection::vec(op(), 1..40),
             cap in prop_oneof![Just(0usize), 2usize..6],
         ) {
-            let params = SteamParams {
-                min_users: 2,
-                max_community: cap,
-                ..SteamParams::default()
-            };
+            let params = params(cap);
             let kernel = CpuKernel::default();
             let mut full = SteamState::new(params, 4);
             let mut lean = SteamState::new(params, 4).lean();
