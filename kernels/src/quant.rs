@@ -332,6 +332,16 @@ impl QuantLinear {
     fn forward_then(&self, out: &mut [f32], x: &[f32], t: usize, gelu: bool) {
         assert_eq!(x.len(), t * self.k, "input is not {t} x {}", self.k);
         assert_eq!(out.len(), t * self.n, "output is not {t} x {}", self.n);
+        if self.k == 0 {
+            // No inputs: every row is the bias (the AMX path needs a group).
+            for row in out.chunks_exact_mut(self.n.max(1)) {
+                row.copy_from_slice(&self.bias);
+            }
+            if gelu {
+                crate::nn::gelu_erf(out);
+            }
+            return;
+        }
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
         if self.format == Format::Int8 && int8_on_amx() {
             let q = self.quantise(x, t);
@@ -646,7 +656,8 @@ mod vnni {
         let blocks = layer.n.div_ceil(NR);
         let groups = layer.groups;
         let stride = groups * 4;
-        let chunks = groups.div_ceil(KC);
+        // At least one: with no inputs (k = 0) the outputs are the bias.
+        let chunks = groups.div_ceil(KC).max(1);
         // Rows in blocks whose activations (`ROWS_BYTES`) stay in L2 while
         // every block of channels passes over them.
         let rows_per_block = (ROWS_BYTES / stride.max(1)).max(MR) / MR * MR;

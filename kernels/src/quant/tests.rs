@@ -165,6 +165,19 @@ fn row_blocks_and_chunks_match_the_scalar_reference() {
 }
 
 #[test]
+fn no_inputs_give_the_bias() {
+    for format in both() {
+        let layer = QuantLinear::new(format, &[], &[1.0, 2.0], 2, 0);
+        let mut out = vec![f32::NAN; 6];
+        layer.forward(&mut out, &[], 3);
+        assert_eq!(out, [1.0, 2.0, 1.0, 2.0, 1.0, 2.0], "{format:?}");
+        if let Some(v) = vnni_kernel(&layer, &[], 3, false) {
+            assert_eq!(v, out, "{format:?} on VNNI");
+        }
+    }
+}
+
+#[test]
 fn int16_sums_cannot_overflow() {
     // The largest k · a_max · w_max stays below 2^31 for every k.
     for k in [1, 2, 3, 384, 1536, 4096, 1 << 20] {
