@@ -157,6 +157,16 @@ struct Quantised {
     min: Vec<f32>,
 }
 
+impl Quantised {
+    const fn empty() -> Self {
+        Self {
+            bytes: Vec::new(),
+            scale: Vec::new(),
+            min: Vec::new(),
+        }
+    }
+}
+
 impl QuantLinear {
     /// Quantises `w` (`n × k`, row-major) per output channel.
     ///
@@ -361,7 +371,7 @@ impl QuantLinear {
             // ones cost a memset, or page faults, per layer).
             thread_local! {
                 static ACTIVATIONS: std::cell::Cell<Quantised> = const {
-                    std::cell::Cell::new(Quantised { bytes: Vec::new(), scale: Vec::new(), min: Vec::new() })
+                    std::cell::Cell::new(Quantised::empty())
                 };
             }
             let mut q = ACTIVATIONS.take();
@@ -406,11 +416,7 @@ impl QuantLinear {
     }
 
     fn quantise(&self, x: &[f32], t: usize) -> Quantised {
-        let mut q = Quantised {
-            bytes: Vec::new(),
-            scale: Vec::new(),
-            min: Vec::new(),
-        };
+        let mut q = Quantised::empty();
         self.quantise_into(x, t, &mut q);
         q
     }
@@ -811,15 +817,23 @@ mod vnni {
                     let sw = _mm512_loadu_ps(layer.scale.as_ptr().add(j0));
                     let cs = _mm512_loadu_ps(layer.col_sum.as_ptr().add(j0));
                     let bias = _mm512_maskz_loadu_ps(mask, layer.bias.as_ptr().add(j0));
-                    let v = _mm512_fmadd_ps(
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, _mm512_mul_ps(m, cs)),
-                        sw,
-                        bias,
-                    );
+                    let v = affine(sum, s, m, cs, sw, bias);
                     _mm512_mask_storeu_ps(out.as_mut_ptr().add(row * layer.n + j0), mask, v);
                 }
             }
         }
+    }
+
+    /// `s_w · (s · sum + m · Σ q) + bias` on 16 channels of one row: the
+    /// epilogue's formula, for the separate epilogue and the fused one.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn affine(sum: __m512i, s: __m512, m: __m512, cs: __m512, sw: __m512, bias: __m512) -> __m512 {
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, _mm512_mul_ps(m, cs)),
+            sw,
+            bias,
+        )
     }
 
     /// `acc + a · b` by pairs of i16 (`vpdpwssd`), in inline assembly: LLVM
@@ -936,11 +950,7 @@ mod vnni {
             };
             for (r, regs) in regs.iter().enumerate() {
                 let (s, m) = (_mm512_set1_ps(to.scale[r]), _mm512_set1_ps(to.min[r]));
-                let v = _mm512_fmadd_ps(
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(regs[c]), s, _mm512_mul_ps(m, cs)),
-                    sw,
-                    bias,
-                );
+                let v = affine(regs[c], s, m, cs, sw, bias);
                 let v = if finish.gelu {
                     crate::nn::gelu512::gelu16(v)
                 } else {

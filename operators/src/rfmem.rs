@@ -359,6 +359,15 @@ enum Scan {
     Int8(QuantKernel),
 }
 
+impl Scan {
+    fn kernel(&self) -> &dyn SimilarityKernel {
+        match self {
+            Self::F32(k) => k,
+            Self::Int8(k) => k,
+        }
+    }
+}
+
 impl fmt::Debug for VectorStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("VectorStore")
@@ -463,10 +472,7 @@ impl VectorStore {
                     min_score,
                     exclude: None,
                 };
-                match &self.scan {
-                    Scan::F32(kernel) => kernel.top_k(queries, &self.corpus, &p)?,
-                    Scan::Int8(kernel) => kernel.top_k(queries, &self.corpus, &p)?,
-                }
+                self.scan.kernel().top_k(queries, &self.corpus, &p)?
             }
         })
     }

@@ -197,11 +197,6 @@ impl SteamState {
         self
     }
 
-    /// Whether this is a writer's lean state.
-    pub fn is_lean(&self) -> bool {
-        self.lean
-    }
-
     /// Refuses to form memories in a lean state (their embeddings and text
     /// are not kept there to consolidate into).
     fn forms(&self) -> Result<(), steamrf_kernels::Error> {
@@ -319,10 +314,6 @@ impl SteamState {
         let Some(m) = m else {
             return self.index.upsert(id, user_id, &[]);
         };
-        if self.lean && m.embedding.is_empty() && self.index.embedding(id).is_some() {
-            // Already moved into the index, unchanged since.
-            return Ok(());
-        }
         self.index.upsert(id, user_id, &m.embedding)?;
         if self.lean {
             // The index's row is the one copy.
