@@ -101,6 +101,12 @@ pub struct UnitParams {
     /// Units one row (session) may give an answer at most; 0: no cap. A
     /// window that continues the unit taken just before still joins it.
     pub per_row: usize,
+    /// Subtracted from a window's fused score for each unit its row has
+    /// already given the answer, when the next unit is chosen: a soft
+    /// [`per_row`](Self::per_row) that spreads an answer over more
+    /// sessions unless a session's next window still earns its place. 0:
+    /// windows are taken in score order.
+    pub repeat_penalty: f32,
 }
 
 impl Default for UnitParams {
@@ -111,6 +117,7 @@ impl Default for UnitParams {
             sparse_weight: 1.5,
             expand: 4,
             per_row: 0,
+            repeat_penalty: 0.1,
         }
     }
 }
@@ -131,11 +138,16 @@ impl UnitParams {
     /// # Errors
     /// [`Error::Invalid`].
     pub fn validate(&self) -> Result<(), Error> {
-        if !(self.sparse_weight.is_finite() && self.sparse_weight >= 0.0) {
-            return Err(Error::Invalid {
-                field: "units.sparse_weight",
-                reason: format!("must be a finite number >= 0, got {}", self.sparse_weight),
-            });
+        for (field, v) in [
+            ("units.sparse_weight", self.sparse_weight),
+            ("units.repeat_penalty", self.repeat_penalty),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::Invalid {
+                    field,
+                    reason: format!("must be a finite number >= 0, got {v}"),
+                });
+            }
         }
         self.hybrid().validate().map_err(|e| match e {
             Error::Invalid { field, reason } => Error::Invalid {
@@ -295,7 +307,7 @@ pub fn retrieve_units_until(
         .collect();
     scored.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.window.cmp(&b.window)));
     Ok(UnitAnswer {
-        hits: take_units(scored, budget, u.per_row),
+        hits: take_units(scored, budget, u.per_row, u.repeat_penalty),
         dense,
         lexical_only,
         sparse_only,
@@ -349,17 +361,46 @@ fn add_top(
 /// evidence comes first whatever its session's length; those turns join
 /// the unit taken just before when they continue it (consecutive ranks in
 /// one place of a session read as one passage), else they are a unit of
-/// their own.
-fn take_units(windows: Vec<UnitHit>, budget: UnitBudget, per_row: usize) -> Vec<UnitHit> {
+/// their own. With a `repeat_penalty`, the next window is the one whose
+/// score less `repeat_penalty` times the units its row already gave is
+/// highest (ties: the order of `windows`).
+fn take_units(
+    windows: Vec<UnitHit>,
+    budget: UnitBudget,
+    per_row: usize,
+    repeat_penalty: f32,
+) -> Vec<UnitHit> {
     let mut out: Vec<UnitHit> = Vec::new();
     let mut per: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+    let given = |per: &std::collections::HashMap<u32, usize>, row: u32| {
+        per.get(&row).copied().unwrap_or(0)
+    };
     let full = |per: &std::collections::HashMap<u32, usize>, row: u32| {
-        per_row > 0 && per.get(&row).copied().unwrap_or(0) >= per_row
+        per_row > 0 && given(per, row) >= per_row
     };
     let mut handed: HashSet<(u32, u32)> = HashSet::new();
     let mut whole: HashSet<u32> = HashSet::new();
     let mut turns = 0usize;
-    for w in windows {
+    let mut left: std::collections::VecDeque<UnitHit> = windows.into();
+    while !left.is_empty() {
+        // The best window after the penalty (the front without one; the
+        // candidates are a few k · expand, so a scan per unit is cheap).
+        let next = if repeat_penalty > 0.0 {
+            let effective =
+                |w: &UnitHit| w.score - repeat_penalty * given(&per, w.row) as f32;
+            let mut best = 0;
+            for (i, w) in left.iter().enumerate().skip(1) {
+                if effective(w) > effective(&left[best]) {
+                    best = i;
+                }
+            }
+            best
+        } else {
+            0
+        };
+        let Some(w) = left.remove(next) else {
+            break;
+        };
         if turns >= budget.turns {
             break;
         }
@@ -472,6 +513,7 @@ mod tests {
             sparse_weight: 0.0,
             expand: 4,
             per_row: 0,
+            repeat_penalty: 0.0,
         };
         let budget = UnitBudget {
             units: 3,
@@ -543,6 +585,7 @@ mod tests {
             sparse_weight: 2.0,
             expand: 1,
             per_row: 0,
+            repeat_penalty: 0.0,
         };
         let budget = UnitBudget {
             units: 2,
@@ -580,6 +623,12 @@ mod tests {
         let e = retrieve_units_until(&ix, &q, None, Some(&query), &p, &bad, budget, &|| false)
             .unwrap_err();
         assert!(e.to_string().contains("units.sparse_weight"), "{e}");
+        let bad = UnitParams {
+            repeat_penalty: -0.1,
+            ..u
+        };
+        let e = bad.validate().unwrap_err();
+        assert!(e.to_string().contains("units.repeat_penalty"), "{e}");
     }
 
     fn w(row: u32, start: u32, end: u32, score: f32) -> UnitHit {
@@ -612,6 +661,7 @@ mod tests {
             ],
             all,
             0,
+            0.0,
         );
         // 5..8 hands over only turn 7, at its rank; 1..4 its own turns.
         assert_eq!(
@@ -625,12 +675,14 @@ mod tests {
             vec![w(2, 0, 3, 0.9), w(2, 1, 4, 0.8), w(2, 2, 5, 0.7)],
             all,
             0,
+            0.0,
         );
         assert_eq!(spans(&got), [(2, 0, 5)]);
         let got = take_units(
             vec![w(2, 0, 3, 0.9), w(2, 5, 8, 0.8), w(2, 3, 6, 0.7)],
             all,
             0,
+            0.0,
         );
         assert_eq!(
             spans(&got),
@@ -659,15 +711,15 @@ mod tests {
         // row 1's unit, so it would be a second unit of row 0, not a
         // continuation).
         assert_eq!(
-            spans(&take_units(windows(), all, 1)),
+            spans(&take_units(windows(), all, 1, 0.0)),
             [(0, 0, 3), (1, 0, 3), (2, 4, 7)]
         );
         assert_eq!(
-            spans(&take_units(windows(), all, 2)),
+            spans(&take_units(windows(), all, 2, 0.0)),
             [(0, 0, 3), (0, 10, 13), (1, 0, 3), (2, 4, 7)]
         );
         assert_eq!(
-            spans(&take_units(windows(), all, 0)),
+            spans(&take_units(windows(), all, 0, 0.0)),
             [
                 (0, 0, 3),
                 (0, 10, 13),
@@ -679,8 +731,46 @@ mod tests {
         );
         // A window continuing the unit just taken joins it under any cap.
         assert_eq!(
-            spans(&take_units(vec![w(0, 0, 3, 0.9), w(0, 1, 4, 0.8)], all, 1)),
+            spans(&take_units(vec![w(0, 0, 3, 0.9), w(0, 1, 4, 0.8)], all, 1, 0.0)),
             [(0, 0, 4)]
+        );
+    }
+
+    #[test]
+    fn a_repeat_penalty_spreads_units_unless_a_window_earns_its_place() {
+        let all = UnitBudget {
+            units: 10,
+            turns: 100,
+        };
+        let windows = || {
+            vec![
+                w(0, 0, 3, 0.9),
+                w(0, 10, 13, 0.8),
+                w(1, 0, 3, 0.7),
+                w(0, 20, 23, 0.65),
+                w(2, 4, 7, 0.4),
+            ]
+        };
+        // 0.8 - 0.2 < 0.7: row 1 comes second; then row 0's 0.8 - 0.2 = 0.6
+        // beats row 2's 0.4, and its 0.65 - 0.4 = 0.25 does not.
+        assert_eq!(
+            spans(&take_units(windows(), all, 0, 0.2)),
+            [(0, 0, 3), (1, 0, 3), (0, 10, 13), (2, 4, 7), (0, 20, 23)]
+        );
+        // A penalty is never a cap: every window still comes, in the end.
+        assert_eq!(
+            spans(&take_units(windows(), all, 0, 10.0)),
+            [(0, 0, 3), (1, 0, 3), (2, 4, 7), (0, 10, 13), (0, 20, 23)]
+        );
+        // Under a budget of units the spread ones are the ones kept.
+        let three = UnitBudget { units: 3, ..all };
+        assert_eq!(
+            spans(&take_units(windows(), three, 0, 10.0)),
+            [(0, 0, 3), (1, 0, 3), (2, 4, 7)]
+        );
+        assert_eq!(
+            spans(&take_units(windows(), three, 0, 0.0)),
+            [(0, 0, 3), (0, 10, 13), (1, 0, 3)]
         );
     }
 
@@ -693,6 +783,7 @@ mod tests {
                 turns: 5,
             },
             0,
+            0.0,
         );
         assert_eq!(spans(&got), [(0, 0, 3), (1, 5, 7)]);
         assert_eq!(got.iter().map(UnitHit::turns).sum::<usize>(), 5);
@@ -703,6 +794,7 @@ mod tests {
                 turns: 30,
             },
             0,
+            0.0,
         );
         assert_eq!(few.len(), 2, "at most `units` units");
     }
@@ -716,6 +808,7 @@ mod tests {
                 turns: 10,
             },
             0,
+            0.0,
         );
         assert_eq!(got.len(), 2);
         assert_eq!(got.iter().map(UnitHit::turns).sum::<usize>(), 3);

@@ -622,29 +622,34 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
             config.serve.units
         ));
         lines.push(
-            "| [serve.units] | R@5 | R@10 | R@30 | ΔR@10 vs the configuration (95% CI, paired) | recollected | turns/answer | p50 ms |"
+            "| [serve.units] | R@5 | R@10 | R@30 | ΔR@5 / ΔR@10 / ΔR@30 vs the configuration (95% CI, paired) | recollected | turns/answer | p50 ms |"
                 .into(),
         );
         lines.push("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |".into());
-        let mut add =
-            |spec: &str, r: &Run| {
-                let c = r.served.cells(45);
-                let diff: Vec<f64> = r.served.recall[1]
-                    .iter()
-                    .zip(&served.recall[1])
-                    .map(|(a, b)| a - b)
-                    .collect();
-                let (d, lo, hi) = bootstrap_ci(&diff, 47);
-                lines.push(format!(
-                "| {spec} | {} | {} | {} | {d:+.3} ({lo:+.3} – {hi:+.3}) | {} | {:.1} | {:.1} |",
+        let mut add = |spec: &str, r: &Run| {
+            let c = r.served.cells(45);
+            let deltas: Vec<String> = (0..3)
+                .map(|b| {
+                    let diff: Vec<f64> = r.served.recall[b]
+                        .iter()
+                        .zip(&served.recall[b])
+                        .map(|(a, b)| a - b)
+                        .collect();
+                    let (d, lo, hi) = bootstrap_ci(&diff, 47);
+                    format!("{d:+.3} ({lo:+.3} – {hi:+.3})")
+                })
+                .collect();
+            lines.push(format!(
+                "| {spec} | {} | {} | {} | {} | {} | {:.1} | {:.1} |",
                 c[0],
                 c[1],
                 c[2],
+                deltas.join(" / "),
                 r.by_path.get("recollection").map_or(0, |s| s.recall[0].len()),
                 mean(&r.turns_handed),
                 percentile(&r.latency, 0.5)
             ));
-            };
+        };
         add("(configuration)", &first);
         for (spec, r) in &swept {
             add(spec, r);

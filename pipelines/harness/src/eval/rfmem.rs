@@ -659,21 +659,28 @@ fn units_section(
         tune_r10: avg(&on_tune.scores.r10),
     };
     let recollected = |r: &passages::ServedRun| r.scores.recollected.iter().filter(|x| **x).count();
-    // The cap on units per session, the one knob that trades LoCoMo's
-    // evidence turns against sessions covered: a sweep on both splits.
+    // The two knobs that trade LoCoMo's evidence turns against sessions
+    // covered, the cap on units per session and the soft penalty for each
+    // unit a session already gave: a sweep on both splits.
     let mut sweep = String::from(
-        "\n| `[serve.units] per_row` | tuning R@10 | test R@10 | test turns per answer |\n| --- | ---: | ---: | ---: |\n",
+        "\n| `[serve.units]` | tuning R@10 | test R@10 | test turns per answer |\n| --- | ---: | ---: | ---: |\n",
     );
-    for per_row in [0usize, 1, 2, 3] {
-        // The configured value's runs are the ones above.
+    let variants = [0usize, 1, 2, 3]
+        .map(|per_row| (per_row, 0.0f32))
+        .into_iter()
+        .chain([0.05f32, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0].map(|penalty| (0, penalty)));
+    for (per_row, repeat_penalty) in variants {
+        let units = steamrf_operators::passage::UnitParams {
+            per_row,
+            repeat_penalty,
+            ..serve.units
+        };
+        let configured = units == serve.units;
+        // The configured values' runs are the ones above.
         let other;
-        let (t, v) = if per_row == serve.units.per_row {
+        let (t, v) = if configured {
             (&on_test, &on_tune)
         } else {
-            let units = steamrf_operators::passage::UnitParams {
-                per_row,
-                ..serve.units
-            };
             let at = passages::Served {
                 units: &units,
                 ..served
@@ -685,12 +692,8 @@ fn units_section(
             (&other.0, &other.1)
         };
         sweep.push_str(&format!(
-            "| {per_row}{} | {:.4} | {:.4} | {:.1} |\n",
-            if per_row == serve.units.per_row {
-                " (configured)"
-            } else {
-                ""
-            },
+            "| per_row {per_row}, repeat_penalty {repeat_penalty}{} | {:.4} | {:.4} | {:.1} |\n",
+            if configured { " (configured)" } else { "" },
             avg(&v.scores.r10),
             avg(&t.scores.r10),
             avg(&t.turns),
