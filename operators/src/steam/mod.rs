@@ -21,13 +21,14 @@ pub mod relations;
 pub mod retrieve;
 mod tally;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use steamrf_kernels::SimilarityKernel;
 
 use self::community::{Communities, CommunityDelta, GraphBatch};
 use self::memory::{EvolveParams, Memory, Observation, Step, UserMemories, summarise};
-use self::relations::{Link, MemoryIndex};
+use self::relations::{Link, MemoryIndex, OutLink};
 use self::tally::{Member, Tallies, Tally};
 
 pub use self::ids::{IdKey, MemoryId};
@@ -149,10 +150,15 @@ pub struct LinkOutcome {
 pub struct SteamState {
     params: SteamParams,
     users: BTreeMap<String, UserMemories>,
-    owner: HashMap<MemoryId, String>,
+    /// Each memory's user; the ids are shared with `names`, so a memory
+    /// costs a pointer, not a copy of its user's id.
+    owner: HashMap<MemoryId, Arc<str>>,
+    /// Every user id `owner` holds, once.
+    names: HashSet<Arc<str>>,
     index: MemoryIndex,
     communities: Communities,
-    out_links: HashMap<MemoryId, Vec<Link>>,
+    /// Each memory's links, by its id.
+    out_links: HashMap<MemoryId, Vec<OutLink>>,
     prototypes: HashMap<MemoryId, Prototype>,
     /// What the prototypes of the larger communities are built from, kept
     /// as members join, leave and change ([`tally`]).
@@ -171,6 +177,7 @@ impl SteamState {
             params,
             users: BTreeMap::new(),
             owner: HashMap::new(),
+            names: HashSet::new(),
             index: MemoryIndex::new(dim).with_tenant_separator(params.tenant_separator),
             communities: Communities::with_cap(params.max_community),
             out_links: HashMap::new(),
@@ -298,7 +305,15 @@ impl SteamState {
     }
 
     fn touch(&mut self, user_id: &str, id: MemoryId) -> Result<(), steamrf_kernels::Error> {
-        self.owner.insert(id, user_id.to_owned());
+        let name = match self.names.get(user_id) {
+            Some(n) => n.clone(),
+            None => {
+                let n: Arc<str> = Arc::from(user_id);
+                self.names.insert(n.clone());
+                n
+            }
+        };
+        self.owner.insert(id, name);
         // A profile memory stays local: profiles share a template, so their
         // embeddings are close across users whatever their interests, and
         // linking them would join everyone's profile into one community
@@ -437,7 +452,7 @@ impl SteamState {
                 Step::Formed(id) => {
                     let user = self.users.get_mut(user_id).expect("observed above");
                     let held_by_user = user.memories.iter().filter(|m| m.id == id).count() > 1;
-                    let held_by_other = self.owner.get(&id).is_some_and(|o| o != user_id);
+                    let held_by_other = self.owner.get(&id).is_some_and(|o| &**o != user_id);
                     if held_by_user || held_by_other {
                         // The new memory is the user's last; the one that
                         // holds the id stays as it was.
@@ -498,18 +513,21 @@ impl SteamState {
             batch.add_nodes.push(from);
             let old = self
                 .out_links
-                .insert(from, links.clone())
+                .insert(from, OutLink::of(links))
                 .unwrap_or_default();
             let new_targets: BTreeSet<MemoryId> = links.iter().map(|l| l.to).collect();
-            for o in old.iter().filter(|o| !new_targets.contains(&o.to)) {
-                out.links_removed.push((from, o.to));
+            for to in old.iter().map(OutLink::to) {
+                if new_targets.contains(&to) {
+                    continue;
+                }
+                out.links_removed.push((from, to));
                 // The undirected edge stays if the other side still links back.
                 let back = self
                     .out_links
-                    .get(&o.to)
-                    .is_some_and(|ls| ls.iter().any(|l| l.to == from));
+                    .get(&to)
+                    .is_some_and(|ls| ls.iter().any(|l| l.to() == from));
                 if !back {
-                    batch.remove_edges.push((from, o.to));
+                    batch.remove_edges.push((from, to));
                 }
             }
             for l in links {
@@ -550,6 +568,7 @@ impl SteamState {
         user_id: &str,
     ) -> Result<(Vec<MemoryId>, LinkOutcome), steamrf_kernels::Error> {
         let removed = self.users.remove(user_id);
+        self.names.remove(user_id);
         let gone: BTreeSet<MemoryId> = removed
             .iter()
             .flat_map(|u| u.memories.iter().map(|m| m.id))
@@ -580,7 +599,7 @@ impl SteamState {
         let mut dangling = self.out_links.len() != before;
         for (from, links) in self.out_links.iter_mut() {
             let before = links.len();
-            links.retain(|l| !gone.contains(&l.to) && owner.contains_key(&l.to));
+            links.retain(|l| !gone.contains(&l.to()) && owner.contains_key(&l.to()));
             if links.len() != before && owner.contains_key(from) {
                 affected.push(*from);
             }
@@ -670,7 +689,7 @@ impl SteamState {
             m.items.shrink_to_fit();
         }
         if let Some(owner) = self.owner.get(&id)
-            && *owner != user
+            && **owner != *user
         {
             // Never moves an id to another owner, whatever a table or the
             // changes topic says.
@@ -698,18 +717,26 @@ impl SteamState {
     /// Restores a memory's links as persisted, without extraction; call
     /// [`SteamState::rebuild`] after the last one.
     pub fn restore_links(&mut self, from: MemoryId, links: Vec<Link>) {
-        self.out_links.insert(from, links);
+        self.out_links.insert(from, OutLink::of(&links));
     }
 
     /// Recomputes every community and prototype from the memories and links
     /// (from scratch).
     pub fn rebuild(&mut self) -> LinkOutcome {
+        if self.lean {
+            // A writer rebuilds once its memories are restored: their
+            // vectors, grown by doubling, give back what they over-hold
+            // (a third of the memories' own bytes at ten per user).
+            for u in self.users.values_mut() {
+                u.memories.shrink_to_fit();
+            }
+        }
         let edges: Vec<(MemoryId, MemoryId)> = self
             .out_links
-            .values()
-            .flatten()
-            .filter(|l| self.owner.contains_key(&l.from) && self.owner.contains_key(&l.to))
-            .map(|l| (l.from, l.to))
+            .iter()
+            .filter(|(from, _)| self.owner.contains_key(from))
+            .flat_map(|(&from, links)| links.iter().map(move |l| (from, l.to())))
+            .filter(|(_, to)| self.owner.contains_key(to))
             .collect();
         self.communities = Communities::from_graph_capped(
             self.owner.keys().copied(),
@@ -738,7 +765,7 @@ impl SteamState {
     fn memory_mut(&mut self, id: MemoryId) -> Option<&mut Memory> {
         let user = self.owner.get(&id)?;
         self.users
-            .get_mut(user)?
+            .get_mut(&**user)?
             .memories
             .iter_mut()
             .find(|m| m.id == id)
@@ -890,10 +917,10 @@ impl SteamState {
 /// callers can borrow the other fields of the state at the same time).
 fn find<'a>(
     users: &'a BTreeMap<String, UserMemories>,
-    owner: &HashMap<MemoryId, String>,
+    owner: &HashMap<MemoryId, Arc<str>>,
     id: MemoryId,
 ) -> Option<&'a Memory> {
-    let u = users.get(owner.get(&id)?)?;
+    let u = users.get(&**owner.get(&id)?)?;
     u.memories.iter().find(|m| m.id == id)
 }
 

@@ -328,6 +328,8 @@ fn forgetting_a_user_splits_communities_and_withdraws_prototypes() {
     assert!(s.user("bob").is_none());
     assert!(s.memory(bob).is_none());
     assert_eq!(s.communities().community_of(bob), None);
+    // Not even the user's id stays behind.
+    assert!(!s.names.contains("bob") && s.names.contains("ann"));
     // ann is alone now (nothing else reaches tau), cat and dan are two
     // users: below the floor, so the prototype is withdrawn.
     let ann = s.user("ann").unwrap().memories[0].id;

@@ -424,6 +424,13 @@ enum BenchCmd {
         /// IVF or int8, which run the exact writer for recall).
         #[arg(long)]
         lancedb: bool,
+        /// Do not keep the exact writer's copy of the state (which measures
+        /// community agreement and the exact batch time, and doubles the
+        /// memory): link recall and the exact extraction time come from
+        /// the exact kernel run on the writer's own state before each
+        /// batch is linked. For corpora whose state fits only once.
+        #[arg(long)]
+        no_exact_writer: bool,
     },
     /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
     Embed {
@@ -898,6 +905,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     texts,
                     config,
                     lancedb,
+                    no_exact_writer,
                 },
         } => {
             let texts = match texts {
@@ -925,6 +933,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 tenants,
                 texts,
                 lancedb,
+                exact_writer: !no_exact_writer,
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
             Ok(print_lines(&lines))

@@ -54,6 +54,11 @@ pub struct CommunitiesBench {
     /// Also extract the last batch's links with LanceDB's IVF_PQ and
     /// IVF_HNSW_SQ indexes on the same memories (one writer).
     pub lancedb: bool,
+    /// Keep the exact writers' copy of the state (community agreement, the
+    /// exact batch time); without it, the exact links come from the exact
+    /// kernel over each writer's own state before its batch is linked
+    /// (the same links: extraction reads only the embeddings and owners).
+    pub exact_writer: bool,
 }
 
 /// Whether `--precision` (auto, f32 or int8, as `steam.cpu_precision`)
@@ -331,7 +336,11 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     ));
     // The exact writers: the same states, linked by the exact f32 kernel.
     let compare = b.ivf || b.int8;
-    let mut exact_states: Vec<SteamState> = if compare { states.clone() } else { Vec::new() };
+    let mut exact_states: Vec<SteamState> = if compare && b.exact_writer {
+        states.clone()
+    } else {
+        Vec::new()
+    };
 
     let mut next_id = b.memories as u64 + 1;
     let (mut times, mut exact_times) = (Vec::new(), Vec::new());
@@ -356,7 +365,18 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             next_id += 1;
         }
         let mut exact_links = Vec::new();
-        if compare {
+        if compare && !b.exact_writer {
+            // The exact kernel over each writer's own state, before the
+            // writer links the batch.
+            let t = Instant::now();
+            for (s, ids) in states.iter().zip(&ids) {
+                exact_links.extend(
+                    s.link_dry_run(f32_kernel.as_ref(), ids)
+                        .map_err(internal)?,
+                );
+            }
+            exact_extract_times.push(t.elapsed().as_secs_f64() * 1e3);
+        } else if compare {
             // One after another, each on every core.
             let (mut total, mut extract) = (0.0, 0.0f64);
             for (x, ids) in exact_states.iter_mut().zip(&ids) {
@@ -444,7 +464,20 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "communities after the batches: {count}, sizes median {median_size}, p99 {p99}, largest {largest}"
     ));
     let mut extra = String::new();
-    if compare {
+    if compare && !b.exact_writer {
+        let exact_extract_ms = median(&mut exact_extract_times);
+        let extract_ms = median(&mut extract_times);
+        let recall = links_found as f64 / links.max(1) as f64;
+        out.push(format!(
+            "exact f32 kernel over the same states before each batch (no exact writer kept: community agreement not measured): extraction median {exact_extract_ms:.0} ms, {:.2}x {}'s; found {links_found} of its {links} links (recall {recall:.4})",
+            exact_extract_ms / extract_ms,
+            if b.ivf { "the IVF" } else { "int8" },
+        ));
+        extra = format!(
+            " exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} extract_ratio_vs_exact={:.3} link_recall={recall:.4}",
+            exact_extract_ms / extract_ms
+        );
+    } else if compare {
         let exact_ms = median(&mut exact_times);
         let exact_extract_ms = median(&mut exact_extract_times);
         let extract_ms = median(&mut extract_times);
@@ -570,7 +603,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let peak_mib = rss_bytes("VmHWM:") as f64 / (1u64 << 20) as f64;
     out.push(format!(
         "peak memory (VmHWM): {peak_mib:.0} MiB{}",
-        if compare {
+        if compare && b.exact_writer {
             " (the exact writers' copies of the state included)"
         } else {
             ""
