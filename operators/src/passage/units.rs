@@ -372,9 +372,8 @@ fn take_units(
 ) -> Vec<UnitHit> {
     let mut out: Vec<UnitHit> = Vec::new();
     let mut per: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
-    let given = |per: &std::collections::HashMap<u32, usize>, row: u32| {
-        per.get(&row).copied().unwrap_or(0)
-    };
+    let given =
+        |per: &std::collections::HashMap<u32, usize>, row: u32| per.get(&row).copied().unwrap_or(0);
     let full = |per: &std::collections::HashMap<u32, usize>, row: u32| {
         per_row > 0 && given(per, row) >= per_row
     };
@@ -386,8 +385,7 @@ fn take_units(
         // The best window after the penalty (the front without one; the
         // candidates are a few k · expand, so a scan per unit is cheap).
         let next = if repeat_penalty > 0.0 {
-            let effective =
-                |w: &UnitHit| w.score - repeat_penalty * given(&per, w.row) as f32;
+            let effective = |w: &UnitHit| w.score - repeat_penalty * given(&per, w.row) as f32;
             let mut best = 0;
             for (i, w) in left.iter().enumerate().skip(1) {
                 if effective(w) > effective(&left[best]) {
@@ -647,10 +645,6 @@ mod tests {
 
     #[test]
     fn each_window_hands_over_its_new_turns_at_its_rank() {
-        let all = UnitBudget {
-            units: 10,
-            turns: 100,
-        };
         let got = take_units(
             vec![
                 w(0, 4, 7, 0.9),
@@ -659,7 +653,7 @@ mod tests {
                 w(0, 20, 23, 0.6),
                 w(0, 1, 4, 0.5),
             ],
-            all,
+            ALL,
             0,
             0.0,
         );
@@ -673,14 +667,14 @@ mod tests {
         // later window continuing the last unit joins it.
         let got = take_units(
             vec![w(2, 0, 3, 0.9), w(2, 1, 4, 0.8), w(2, 2, 5, 0.7)],
-            all,
+            ALL,
             0,
             0.0,
         );
         assert_eq!(spans(&got), [(2, 0, 5)]);
         let got = take_units(
             vec![w(2, 0, 3, 0.9), w(2, 5, 8, 0.8), w(2, 3, 6, 0.7)],
-            all,
+            ALL,
             0,
             0.0,
         );
@@ -691,35 +685,38 @@ mod tests {
         );
     }
 
+    const ALL: UnitBudget = UnitBudget {
+        units: 10,
+        turns: 100,
+    };
+
+    /// Row 0 scores best in four places, rows 1 and 2 in one each.
+    fn places() -> Vec<UnitHit> {
+        vec![
+            w(0, 0, 3, 0.9),
+            w(0, 10, 13, 0.8),
+            w(1, 0, 3, 0.7),
+            w(0, 3, 6, 0.6),
+            w(0, 20, 23, 0.5),
+            w(2, 4, 7, 0.4),
+        ]
+    }
+
     #[test]
     fn a_row_gives_at_most_per_row_units() {
-        let all = UnitBudget {
-            units: 10,
-            turns: 100,
-        };
-        let windows = || {
-            vec![
-                w(0, 0, 3, 0.9),
-                w(0, 10, 13, 0.8),
-                w(1, 0, 3, 0.7),
-                w(0, 3, 6, 0.6),
-                w(0, 20, 23, 0.5),
-                w(2, 4, 7, 0.4),
-            ]
-        };
         // Capped at one: row 0's later places are skipped (3..6 comes after
         // row 1's unit, so it would be a second unit of row 0, not a
         // continuation).
         assert_eq!(
-            spans(&take_units(windows(), all, 1, 0.0)),
+            spans(&take_units(places(), ALL, 1, 0.0)),
             [(0, 0, 3), (1, 0, 3), (2, 4, 7)]
         );
         assert_eq!(
-            spans(&take_units(windows(), all, 2, 0.0)),
+            spans(&take_units(places(), ALL, 2, 0.0)),
             [(0, 0, 3), (0, 10, 13), (1, 0, 3), (2, 4, 7)]
         );
         assert_eq!(
-            spans(&take_units(windows(), all, 0, 0.0)),
+            spans(&take_units(places(), ALL, 0, 0.0)),
             [
                 (0, 0, 3),
                 (0, 10, 13),
@@ -731,45 +728,51 @@ mod tests {
         );
         // A window continuing the unit just taken joins it under any cap.
         assert_eq!(
-            spans(&take_units(vec![w(0, 0, 3, 0.9), w(0, 1, 4, 0.8)], all, 1, 0.0)),
+            spans(&take_units(
+                vec![w(0, 0, 3, 0.9), w(0, 1, 4, 0.8)],
+                ALL,
+                1,
+                0.0
+            )),
             [(0, 0, 4)]
         );
     }
 
     #[test]
     fn a_repeat_penalty_spreads_units_unless_a_window_earns_its_place() {
-        let all = UnitBudget {
-            units: 10,
-            turns: 100,
-        };
-        let windows = || {
-            vec![
-                w(0, 0, 3, 0.9),
-                w(0, 10, 13, 0.8),
-                w(1, 0, 3, 0.7),
-                w(0, 20, 23, 0.65),
-                w(2, 4, 7, 0.4),
-            ]
-        };
-        // 0.8 - 0.2 < 0.7: row 1 comes second; then row 0's 0.8 - 0.2 = 0.6
-        // beats row 2's 0.4, and its 0.65 - 0.4 = 0.25 does not.
+        // 0.8 - 0.2 < 0.7: row 1 comes second; then row 0's 0.8 - 0.2 beats
+        // row 2's 0.4, and its next 0.6 - 0.4 does not.
         assert_eq!(
-            spans(&take_units(windows(), all, 0, 0.2)),
-            [(0, 0, 3), (1, 0, 3), (0, 10, 13), (2, 4, 7), (0, 20, 23)]
+            spans(&take_units(places(), ALL, 0, 0.2)),
+            [
+                (0, 0, 3),
+                (1, 0, 3),
+                (0, 10, 13),
+                (2, 4, 7),
+                (0, 3, 6),
+                (0, 20, 23)
+            ]
         );
         // A penalty is never a cap: every window still comes, in the end.
         assert_eq!(
-            spans(&take_units(windows(), all, 0, 10.0)),
-            [(0, 0, 3), (1, 0, 3), (2, 4, 7), (0, 10, 13), (0, 20, 23)]
+            spans(&take_units(places(), ALL, 0, 10.0)),
+            [
+                (0, 0, 3),
+                (1, 0, 3),
+                (2, 4, 7),
+                (0, 10, 13),
+                (0, 3, 6),
+                (0, 20, 23)
+            ]
         );
         // Under a budget of units the spread ones are the ones kept.
-        let three = UnitBudget { units: 3, ..all };
+        let three = UnitBudget { units: 3, ..ALL };
         assert_eq!(
-            spans(&take_units(windows(), three, 0, 10.0)),
+            spans(&take_units(places(), three, 0, 10.0)),
             [(0, 0, 3), (1, 0, 3), (2, 4, 7)]
         );
         assert_eq!(
-            spans(&take_units(windows(), three, 0, 0.0)),
+            spans(&take_units(places(), three, 0, 0.0)),
             [(0, 0, 3), (0, 10, 13), (1, 0, 3)]
         );
     }

@@ -281,6 +281,27 @@ mod tests {
     use steamrf_kernels::cpu::CpuKernel;
 
     #[test]
+    fn an_out_link_keeps_every_bit_of_its_target_in_24_bytes() {
+        assert_eq!(size_of::<OutLink>(), 24);
+        for to in [
+            0,
+            1,
+            u128::from(u64::MAX),
+            u128::MAX,
+            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+        ] {
+            let l = Link {
+                from: MemoryId(7),
+                to: MemoryId(to),
+                score: 0.5,
+            };
+            let kept = OutLink::new(&l);
+            assert_eq!(kept.to(), MemoryId(to));
+            assert_eq!(kept.score, 0.5);
+        }
+    }
+
+    #[test]
     fn links_never_cross_tenants() {
         let mut idx = MemoryIndex::new(2).with_tenant_separator(Some(':'));
         idx.upsert(MemoryId(1), "acme:alice", &[1.0, 0.0]).unwrap();

@@ -370,10 +370,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             // writer links the batch.
             let t = Instant::now();
             for (s, ids) in states.iter().zip(&ids) {
-                exact_links.extend(
-                    s.link_dry_run(f32_kernel.as_ref(), ids)
-                        .map_err(internal)?,
-                );
+                exact_links.extend(s.link_dry_run(f32_kernel.as_ref(), ids).map_err(internal)?);
             }
             exact_extract_times.push(t.elapsed().as_secs_f64() * 1e3);
         } else if compare {

@@ -645,7 +645,9 @@ pub async fn locomo(e: LocomoEval) -> Result<Vec<String>> {
                 c[1],
                 c[2],
                 deltas.join(" / "),
-                r.by_path.get("recollection").map_or(0, |s| s.recall[0].len()),
+                r.by_path
+                    .get("recollection")
+                    .map_or(0, |s| s.recall[0].len()),
                 mean(&r.turns_handed),
                 percentile(&r.latency, 0.5)
             ));
