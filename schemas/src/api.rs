@@ -157,7 +157,8 @@ pub struct RetrieveRequest {
     #[serde(default)]
     pub query_vector: Option<Vec<f32>>,
     /// Rows to return (overrides `options.k`); with passage windows,
-    /// evidence units.
+    /// evidence units at most (without a `k`, only `max_turns` bounds
+    /// them).
     #[serde(default)]
     pub k: Option<usize>,
     /// Turns the answer hands over at most (default: `serve.max_turns`, at

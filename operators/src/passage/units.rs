@@ -117,7 +117,7 @@ impl Default for UnitParams {
             sparse_weight: 1.5,
             expand: 4,
             per_row: 0,
-            repeat_penalty: 0.1,
+            repeat_penalty: 0.05,
         }
     }
 }

@@ -167,8 +167,9 @@ struct RetrieveArgs {
     /// What to look for, in natural language: a question or a topic, e.g.
     /// "which jazz albums did she like?".
     query: String,
-    /// How many results to return at most (default: the server's, usually
-    /// 10): rows, or with dialogue sessions evidence units (a few turns each).
+    /// How many results to return at most: rows (default: the server's,
+    /// usually 10), or with dialogue sessions evidence units of a few turns
+    /// each (default: as many as `max_turns` holds).
     #[serde(default)]
     k: Option<usize>,
     /// Dialogue turns to hand back at most, over all results (default: the

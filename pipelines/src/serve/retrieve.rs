@@ -206,6 +206,18 @@ pub(super) fn params_for(
     Ok(p)
 }
 
+/// What an answer of evidence units may hand over: a request that names a
+/// `k` (or `options.k`) gets at most k units; one that does not is bounded
+/// by its `max_turns` alone (each unit holds at least one turn), so an
+/// answer of short units, spread over sessions, still fills its turn budget.
+pub(super) fn unit_budget(req: &RetrieveRequest, p: &RfMemParams, max_turns: usize) -> UnitBudget {
+    let asked_k = req.k.is_some() || req.options.as_ref().is_some_and(|o| o.contains_key("k"));
+    UnitBudget {
+        units: if asked_k { p.k } else { p.k.max(max_turns) },
+        turns: max_turns,
+    }
+}
+
 /// The work a request may ask for: the configured cost keys are ceilings,
 /// and `k` and `probe_k` stop at `serve.max_k`.
 pub(super) fn check_bounds(
@@ -321,6 +333,7 @@ pub(super) async fn retrieve_as(
         per_row: req.per_session.unwrap_or(st.cfg.units.per_row),
         ..st.cfg.units
     };
+    let unit_budget = unit_budget(&req, &p, max_turns);
     let permit = st.admit()?;
     let gone = Arc::new(AtomicBool::new(false));
     let _gone_on_drop = SetOnDrop(gone.clone());
@@ -346,7 +359,7 @@ pub(super) async fn retrieve_as(
             query_text.as_deref(),
             &p,
             &units,
-            max_turns,
+            unit_budget,
             collaborative,
             embed_time,
             started,
@@ -366,7 +379,7 @@ pub(super) fn answer(
     query_text: Option<&str>,
     p: &RfMemParams,
     unit_params: &UnitParams,
-    max_turns: usize,
+    unit_budget: UnitBudget,
     collaborative: bool,
     embed_time: Duration,
     started: Instant,
@@ -376,10 +389,7 @@ pub(super) fn answer(
     let mut embed_time = embed_time;
     let mut sparse_only = 0;
     let (a, spans) = if corpus.has_units() {
-        let units = UnitBudget {
-            units: p.k,
-            turns: max_turns,
-        };
+        let units = unit_budget;
         // The query's sparse vector, where the windows carry sparse vectors.
         let query_sparse = match (&st.sparse, query_text) {
             (Some(enc), Some(text))

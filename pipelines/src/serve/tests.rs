@@ -414,6 +414,29 @@ async fn retrieve_answers_with_provenance_explanation_and_the_community() {
     assert!(v["items"].as_array().unwrap().is_empty());
 }
 
+#[test]
+fn without_a_k_the_turn_budget_alone_bounds_the_units() {
+    let p = RfMemParams {
+        k: 10,
+        ..RfMemParams::default()
+    };
+    let req = |body: Value| -> RetrieveRequest {
+        steamrf_schemas::api::parse(body.to_string().as_bytes()).unwrap()
+    };
+    let no_k = req(json!({"user_id": "u", "query": "x"}));
+    let b = retrieve::unit_budget(&no_k, &p, 30);
+    assert_eq!((b.units, b.turns), (30, 30), "as many units as turns");
+    // A budget below k keeps k: the turns bound it anyway.
+    assert_eq!(retrieve::unit_budget(&no_k, &p, 4).units, 10);
+    for asked in [
+        json!({"user_id": "u", "query": "x", "k": 10}),
+        json!({"user_id": "u", "query": "x", "options": {"k": 10}}),
+    ] {
+        let b = retrieve::unit_budget(&req(asked), &p, 30);
+        assert_eq!((b.units, b.turns), (10, 30), "k units at most");
+    }
+}
+
 #[tokio::test]
 async fn per_session_spreads_an_answer_over_sessions() {
     let (base, _) = start(Auth::open(), false).await;

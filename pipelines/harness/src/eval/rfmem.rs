@@ -668,7 +668,7 @@ fn units_section(
     let variants = [0usize, 1, 2, 3]
         .map(|per_row| (per_row, 0.0f32))
         .into_iter()
-        .chain([0.05f32, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0].map(|penalty| (0, penalty)));
+        .chain([0.025f32, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0].map(|penalty| (0, penalty)));
     for (per_row, repeat_penalty) in variants {
         let units = steamrf_operators::passage::UnitParams {
             per_row,
