@@ -249,8 +249,10 @@ pub fn retrieve_units_until(
     };
     let mut q = query.to_vec();
     normalize(&mut q);
+    // Candidates for `k` units, where `k` is RF-Mem's: an answer bounded
+    // only by its turns (more units than k) takes them from the same pool.
     let wide = RfMemParams {
-        k: (budget.units.max(1) * h.expand).min(rfmem::MAX_K),
+        k: (budget.units.min(p.k).max(1) * h.expand).min(rfmem::MAX_K),
         ..*p
     };
     let mut dense = rfmem::retrieve_until(&index.windows, &q, &wide, stop)?;
