@@ -382,28 +382,18 @@ fn take_units(
     let mut handed: HashSet<(u32, u32)> = HashSet::new();
     let mut whole: HashSet<u32> = HashSet::new();
     let mut turns = 0usize;
-    let mut left: std::collections::VecDeque<UnitHit> = windows.into();
-    while !left.is_empty() {
-        // The best window after the penalty (the front without one; the
-        // candidates are a few k · expand, so a scan per unit is cheap).
-        let next = if repeat_penalty > 0.0 {
-            let effective = |w: &UnitHit| w.score - repeat_penalty * given(&per, w.row) as f32;
-            let mut best = 0;
-            for (i, w) in left.iter().enumerate().skip(1) {
-                if effective(w) > effective(&left[best]) {
-                    best = i;
-                }
-            }
-            best
-        } else {
-            0
-        };
-        let Some(w) = left.remove(next) else {
-            break;
-        };
-        if turns >= budget.turns {
-            break;
-        }
+    let mut pending = windows;
+    while turns < budget.turns && !pending.is_empty() {
+        // The best window after the penalty, the earlier one on ties (so
+        // without a penalty, the front): a scan per unit over the few
+        // k · expand candidates.
+        let effective = |w: &UnitHit| w.score - repeat_penalty * given(&per, w.row) as f32;
+        let next = pending
+            .iter()
+            .enumerate()
+            .min_by(|(_, a), (_, b)| effective(b).total_cmp(&effective(a)))
+            .map_or(0, |(i, _)| i);
+        let w = pending.remove(next);
         let left = budget.turns - turns;
         if w.end == 0 {
             // A row without turns: once, as one turn.

@@ -461,78 +461,77 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "communities after the batches: {count}, sizes median {median_size}, p99 {p99}, largest {largest}"
     ));
     let mut extra = String::new();
-    if compare && !b.exact_writer {
+    if compare {
         let exact_extract_ms = median(&mut exact_extract_times);
         let extract_ms = median(&mut extract_times);
         let recall = links_found as f64 / links.max(1) as f64;
-        out.push(format!(
-            "exact f32 kernel over the same states before each batch (no exact writer kept: community agreement not measured): extraction median {exact_extract_ms:.0} ms, {:.2}x {}'s; found {links_found} of its {links} links (recall {recall:.4})",
-            exact_extract_ms / extract_ms,
-            if b.ivf { "the IVF" } else { "int8" },
-        ));
-        extra = format!(
-            " exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} extract_ratio_vs_exact={:.3} link_recall={recall:.4}",
-            exact_extract_ms / extract_ms
-        );
-    } else if compare {
-        let exact_ms = median(&mut exact_times);
-        let exact_extract_ms = median(&mut exact_extract_times);
-        let extract_ms = median(&mut extract_times);
-        let recall = links_found as f64 / links.max(1) as f64;
-        // Agreement over the memories of every community a batch memory is
-        // in, on either side: the part of the graph the batches changed.
-        let owner = |m: MemoryId| {
-            states
-                .iter()
-                .position(|s| s.memory(m).is_some())
-                .unwrap_or(0)
-        };
-        let mut touched: HashSet<MemoryId> = HashSet::new();
-        for &m in &batch_ids {
-            let w = owner(m);
-            for s in [&states[w], &exact_states[w]] {
-                if let Some(c) = s.communities().community_of(m) {
-                    touched.extend(s.communities().members(c).into_iter().flatten());
+        if b.exact_writer {
+            let exact_ms = median(&mut exact_times);
+            // Agreement over the memories of every community a batch memory is
+            // in, on either side: the part of the graph the batches changed.
+            let owner = |m: MemoryId| {
+                states
+                    .iter()
+                    .position(|s| s.memory(m).is_some())
+                    .unwrap_or(0)
+            };
+            let mut touched: HashSet<MemoryId> = HashSet::new();
+            for &m in &batch_ids {
+                let w = owner(m);
+                for s in [&states[w], &exact_states[w]] {
+                    if let Some(c) = s.communities().community_of(m) {
+                        touched.extend(s.communities().members(c).into_iter().flatten());
+                    }
                 }
             }
+            let pairs: Vec<(MemoryId, MemoryId)> = touched
+                .iter()
+                .filter_map(|&m| {
+                    let w = owner(m);
+                    Some((
+                        states[w].communities().community_of(m)?,
+                        exact_states[w].communities().community_of(m)?,
+                    ))
+                })
+                .collect();
+            let ari = adjusted_rand(&pairs);
+            let same = touched
+                .iter()
+                .filter(|&&m| {
+                    let w = owner(m);
+                    community(&states[w], m) == community(&exact_states[w], m)
+                })
+                .count() as f64
+                / touched.len().max(1) as f64;
+            out.push(format!(
+                "exact f32 writer(s), same batches{}: median {exact_ms:.0} ms (extraction {exact_extract_ms:.0} ms); {} is {:.2}x its batch, {:.2}x its extraction; found {links_found} of its {links} links (recall {recall:.4}); over the {} memories of the communities the batches touched: adjusted Rand index {ari:.4}, {:.4} in an identical community",
+                if writers > 1 {
+                    ", one writer after another on every core"
+                } else {
+                    ""
+                },
+                if b.ivf { "the IVF" } else { "int8" },
+                exact_ms / incremental_ms,
+                exact_extract_ms / extract_ms,
+                touched.len(),
+                same
+            ));
+            extra = format!(
+                " exact_incremental_ms={exact_ms:.1} exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} ratio_vs_exact={:.3} extract_ratio_vs_exact={:.3} link_recall={recall:.4} community_agreement={ari:.4}",
+                exact_ms / incremental_ms,
+                exact_extract_ms / extract_ms
+            );
+        } else {
+            out.push(format!(
+                "exact f32 kernel over the same states before each batch (no exact writer kept: community agreement not measured): extraction median {exact_extract_ms:.0} ms, {:.2}x {}'s; found {links_found} of its {links} links (recall {recall:.4})",
+                exact_extract_ms / extract_ms,
+                if b.ivf { "the IVF" } else { "int8" },
+            ));
+            extra = format!(
+                " exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} extract_ratio_vs_exact={:.3} link_recall={recall:.4}",
+                exact_extract_ms / extract_ms
+            );
         }
-        let pairs: Vec<(MemoryId, MemoryId)> = touched
-            .iter()
-            .filter_map(|&m| {
-                let w = owner(m);
-                Some((
-                    states[w].communities().community_of(m)?,
-                    exact_states[w].communities().community_of(m)?,
-                ))
-            })
-            .collect();
-        let ari = adjusted_rand(&pairs);
-        let same = touched
-            .iter()
-            .filter(|&&m| {
-                let w = owner(m);
-                community(&states[w], m) == community(&exact_states[w], m)
-            })
-            .count() as f64
-            / touched.len().max(1) as f64;
-        out.push(format!(
-            "exact f32 writer(s), same batches{}: median {exact_ms:.0} ms (extraction {exact_extract_ms:.0} ms); {} is {:.2}x its batch, {:.2}x its extraction; found {links_found} of its {links} links (recall {recall:.4}); over the {} memories of the communities the batches touched: adjusted Rand index {ari:.4}, {:.4} in an identical community",
-            if writers > 1 {
-                ", one writer after another on every core"
-            } else {
-                ""
-            },
-            if b.ivf { "the IVF" } else { "int8" },
-            exact_ms / incremental_ms,
-            exact_extract_ms / extract_ms,
-            touched.len(),
-            same
-        ));
-        extra = format!(
-            " exact_incremental_ms={exact_ms:.1} exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} ratio_vs_exact={:.3} extract_ratio_vs_exact={:.3} link_recall={recall:.4} community_agreement={ari:.4}",
-            exact_ms / incremental_ms,
-            exact_extract_ms / extract_ms
-        );
     }
     drop(exact_states);
     if b.lancedb && compare && writers == 1 {
