@@ -77,7 +77,7 @@ impl SimilarityKernel for CpuKernel {
             |b, scratch, heaps| {
                 let start = b * block_rows;
                 let rows = block_rows.min(n - start);
-                let block = &corpus.as_slice()[start * dim..(start + rows) * dim];
+                let block = &corpus.rows(start..start + rows);
                 for q0 in (0..m).step_by(query_block) {
                     let qs = query_block.min(m - q0);
                     let lhs = &q[q0 * dim..(q0 + qs) * dim];

@@ -256,7 +256,7 @@ impl CudaKernel {
                     if a < b {
                         let mut view = d.f32.slice_mut(a..b);
                         self.stream
-                            .memcpy_htod(&corpus.as_slice()[a..b], &mut view)
+                            .memcpy_htod(&*corpus.rows(r.start..r.end.min(rows)), &mut view)
                             .map_err(driver)?;
                     }
                 }
@@ -273,7 +273,7 @@ impl CudaKernel {
                 if rows > 0 {
                     let mut view = buf.slice_mut(0..rows * dim);
                     self.stream
-                        .memcpy_htod(corpus.as_slice(), &mut view)
+                        .memcpy_htod(&*corpus.values(), &mut view)
                         .map_err(driver)?;
                 }
                 slot = Some(DeviceCorpus {

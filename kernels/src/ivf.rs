@@ -129,17 +129,17 @@ pub(crate) fn train(
     let stride = (n / sample_n.max(1)).max(1);
     let mut sample = Vec::with_capacity(sample_n * dim);
     for i in (0..n).step_by(stride).take(sample_n) {
-        sample.extend_from_slice(corpus.row(i));
+        sample.extend_from_slice(&corpus.row(i));
     }
     let sample = Corpus::from_vec(sample, dim)?;
     let seed_stride = (sample.len() / lists.max(1)).max(1);
     let mut centres = Vec::with_capacity(lists * dim);
     for i in (0..sample.len()).step_by(seed_stride).take(lists) {
-        centres.extend_from_slice(sample.row(i));
+        centres.extend_from_slice(&sample.row(i));
     }
     let mut centroids = Corpus::from_vec(centres, dim)?;
     for _ in 0..iters {
-        let assign = kernel.top_k(sample.as_slice(), &centroids, &SearchParams::top(1))?;
+        let assign = kernel.top_k(&sample.values(), &centroids, &SearchParams::top(1))?;
         let k = centroids.len();
         let mut sums = vec![0.0f32; k * dim];
         let mut counts = vec![0usize; k];
@@ -147,14 +147,17 @@ pub(crate) fn train(
             if let Some(h) = hits.first() {
                 let c = h.index as usize;
                 counts[c] += 1;
-                for (s, v) in sums[c * dim..(c + 1) * dim].iter_mut().zip(sample.row(i)) {
+                for (s, v) in sums[c * dim..(c + 1) * dim]
+                    .iter_mut()
+                    .zip(sample.row(i).iter())
+                {
                     *s += v;
                 }
             }
         }
         for c in 0..k {
             if counts[c] == 0 {
-                sums[c * dim..(c + 1) * dim].copy_from_slice(centroids.row(c));
+                sums[c * dim..(c + 1) * dim].copy_from_slice(&centroids.row(c));
             }
         }
         centroids = Corpus::from_vec(sums, dim)?;
@@ -170,12 +173,11 @@ pub(crate) fn assign(
     centroids: &Corpus,
     kernel: &CpuKernel,
 ) -> Result<Vec<u32>> {
-    let dim = corpus.dim();
     let mut out = Vec::with_capacity(rows.len());
     let chunk = 65_536;
     for start in rows.clone().step_by(chunk) {
         let end = (start + chunk).min(rows.end);
-        let q = &corpus.as_slice()[start * dim..end * dim];
+        let q = &corpus.rows(start..end);
         for hits in kernel.top_k(q, centroids, &SearchParams::top(1))? {
             out.push(hits.first().map_or(0, |h| h.index));
         }
@@ -246,7 +248,7 @@ impl Ivf {
         for list in &ids {
             let mut rows = Vec::with_capacity(list.len() * dim);
             for &i in list {
-                rows.extend_from_slice(corpus.row(i as usize));
+                rows.extend_from_slice(&corpus.row(i as usize));
             }
             data.push(Corpus::from_vec(rows, dim)?);
         }

@@ -53,6 +53,7 @@ pub mod reference;
 mod testdata;
 mod topk;
 
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::fmt;
 
@@ -141,13 +142,125 @@ impl Hit {
     }
 }
 
+/// How a [`Corpus`] keeps its rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum RowPrecision {
+    /// 4 bytes a value: scores are exact f32 cosines.
+    #[default]
+    F32,
+    /// 2 bytes a value (bf16, rounded to nearest even): scores are f32 dot
+    /// products of the rounded rows.
+    Bf16,
+}
+
+impl RowPrecision {
+    /// The configuration and label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes a value takes.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for RowPrecision {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(invalid(format!(
+                "row precision {s:?}: expected \"f32\" or \"bf16\""
+            ))),
+        }
+    }
+}
+
+/// A corpus's values, row-major.
+#[derive(Debug, Clone)]
+enum Rows {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+}
+
+impl Default for Rows {
+    fn default() -> Self {
+        Self::F32(Vec::new())
+    }
+}
+
+impl Rows {
+    fn values(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Values `range` as f32.
+    fn get(&self, range: std::ops::Range<usize>) -> Cow<'_, [f32]> {
+        match self {
+            Self::F32(v) => Cow::Borrowed(&v[range]),
+            Self::Bf16(v) => Cow::Owned(v[range].iter().map(|&b| widen(b)).collect()),
+        }
+    }
+
+    /// Appends `values` (already normalised).
+    fn extend(&mut self, values: &[f32]) {
+        match self {
+            Self::F32(v) => v.extend_from_slice(values),
+            Self::Bf16(v) => v.extend(values.iter().map(|&x| narrow(x))),
+        }
+    }
+
+    /// Overwrites the values from `start` on with `values`.
+    fn write(&mut self, start: usize, values: &[f32]) {
+        match self {
+            Self::F32(v) => v[start..start + values.len()].copy_from_slice(values),
+            Self::Bf16(v) => {
+                for (d, &x) in v[start..start + values.len()].iter_mut().zip(values) {
+                    *d = narrow(x);
+                }
+            }
+        }
+    }
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even).
+fn narrow(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// The f32 value of bf16 bits `b` (exact).
+#[inline(always)]
+fn widen(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
 /// A row-major matrix of L2-normalised vectors.
 ///
 /// It keeps a short log of which rows changed, so a device-resident copy (the
 /// CUDA backend's) can be brought up to date by uploading only those rows.
+///
+/// Its rows are kept in f32, or in bf16 ([`Corpus::with_precision`]): half
+/// the bytes, each value rounded to nearest even after the row is
+/// normalised, so a bf16 row's length is 1 within ~2⁻⁸ and a score against
+/// it within ~2⁻⁸ of the f32 row's. A bf16 corpus hands out its rows
+/// converted to f32 ([`Corpus::row`], [`Corpus::rows`]); kernels that scan
+/// it convert a block at a time.
 #[derive(Debug, Default)]
 pub struct Corpus {
-    data: Vec<f32>,
+    data: Rows,
     dim: usize,
     uid: u64,
     version: u64,
@@ -270,8 +383,16 @@ fn normalized_copy(rows: &[f32], dim: usize) -> Result<Vec<f32>> {
 impl Corpus {
     /// An empty corpus of `dim`-dimensional vectors.
     pub fn new(dim: usize) -> Self {
+        Self::with_precision(dim, RowPrecision::F32)
+    }
+
+    /// An empty corpus of `dim`-dimensional vectors kept in `precision`.
+    pub fn with_precision(dim: usize, precision: RowPrecision) -> Self {
         Self {
-            data: Vec::new(),
+            data: match precision {
+                RowPrecision::F32 => Rows::F32(Vec::new()),
+                RowPrecision::Bf16 => Rows::Bf16(Vec::new()),
+            },
             dim,
             uid: next_uid(),
             version: 0,
@@ -334,7 +455,7 @@ impl Corpus {
     pub fn from_vec(mut rows: Vec<f32>, dim: usize) -> Result<Self> {
         normalize_in_place(&mut rows, dim)?;
         Ok(Self {
-            data: rows,
+            data: Rows::F32(rows),
             ..Self::new(dim)
         })
     }
@@ -345,11 +466,11 @@ impl Corpus {
     /// As [`Corpus::from_rows`]; on error nothing is appended.
     pub fn push_rows(&mut self, rows: &[f32]) -> Result<()> {
         let tmp = normalized_copy(rows, self.dim)?;
-        if (self.data.len() + tmp.len()) / self.dim > u32::MAX as usize {
+        if (self.data.values() + tmp.len()) / self.dim > u32::MAX as usize {
             return Err(invalid("a corpus holds at most 2^32 rows"));
         }
         let start = self.len();
-        self.data.extend_from_slice(&tmp);
+        self.data.extend(&tmp);
         let end = self.len();
         self.record(start, end);
         Ok(())
@@ -368,19 +489,32 @@ impl Corpus {
             )));
         }
         let tmp = normalized_copy(row, self.dim)?;
-        self.data[index * self.dim..(index + 1) * self.dim].copy_from_slice(&tmp);
+        self.data.write(index * self.dim, &tmp);
         self.record(index, index + 1);
         Ok(())
     }
 
     /// Rows.
     pub fn len(&self) -> usize {
-        self.data.len().checked_div(self.dim).unwrap_or(0)
+        self.data.values().checked_div(self.dim).unwrap_or(0)
     }
 
     /// Whether there are no rows.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.data.values() == 0
+    }
+
+    /// How the rows are kept.
+    pub fn precision(&self) -> RowPrecision {
+        match self.data {
+            Rows::F32(_) => RowPrecision::F32,
+            Rows::Bf16(_) => RowPrecision::Bf16,
+        }
+    }
+
+    /// Bytes the rows take.
+    pub fn bytes(&self) -> usize {
+        self.data.values() * self.precision().bytes()
     }
 
     /// Dimension.
@@ -388,14 +522,48 @@ impl Corpus {
         self.dim
     }
 
-    /// The normalised values, row-major.
-    pub fn as_slice(&self) -> &[f32] {
-        &self.data
+    /// The normalised values, row-major, as f32 (borrowed from an f32
+    /// corpus, converted from a bf16 one).
+    pub fn values(&self) -> Cow<'_, [f32]> {
+        self.data.get(0..self.data.values())
     }
 
-    /// Row `i`.
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.dim..(i + 1) * self.dim]
+    /// Rows `rows`, as [`Corpus::values`].
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Cow<'_, [f32]> {
+        self.data.get(rows.start * self.dim..rows.end * self.dim)
+    }
+
+    /// Row `i`, as [`Corpus::values`].
+    pub fn row(&self, i: usize) -> Cow<'_, [f32]> {
+        self.rows(i..i + 1)
+    }
+
+    /// Writes row `i` into `dst` (`dim` values) without allocating.
+    pub fn copy_row(&self, i: usize, dst: &mut [f32]) {
+        let range = i * self.dim..(i + 1) * self.dim;
+        match &self.data {
+            Rows::F32(v) => dst.copy_from_slice(&v[range]),
+            Rows::Bf16(v) => {
+                for (d, &b) in dst.iter_mut().zip(&v[range]) {
+                    *d = widen(b);
+                }
+            }
+        }
+    }
+
+    /// `dot(q, &self.row(i))` (the same value), without allocating up to
+    /// 1,024 dimensions.
+    pub fn dot_row(&self, i: usize, q: &[f32]) -> f32 {
+        let range = i * self.dim..(i + 1) * self.dim;
+        match &self.data {
+            Rows::F32(v) => dot(q, &v[range]),
+            Rows::Bf16(_) if self.dim > 1024 => dot(q, &self.row(i)),
+            Rows::Bf16(_) => {
+                let mut row = [0.0f32; 1024];
+                self.copy_row(i, &mut row[..self.dim]);
+                dot(q, &row[..self.dim])
+            }
+        }
     }
 }
 

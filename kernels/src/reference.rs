@@ -26,7 +26,7 @@ impl SimilarityKernel for ScalarKernel {
                     .filter_map(|ci| {
                         let score = query
                             .iter()
-                            .zip(corpus.row(ci))
+                            .zip(corpus.row(ci).iter())
                             .map(|(a, b)| a * b)
                             .sum::<f32>();
                         let excluded = params.exclude.is_some_and(|f| f(qi, ci));

@@ -357,10 +357,10 @@ impl PassageIndex {
 
     /// Row `r`'s dense score for the unit query `q`, and its best window.
     fn dense(&self, q: &[f32], r: u32, mix: f32) -> (f32, Option<u32>) {
-        let whole = dot(q, self.rows.vector(r as usize));
+        let whole = dot(q, &self.rows.vector(r as usize));
         let span = self.starts[r as usize]..self.starts[r as usize + 1];
         let best = span
-            .map(|w| (w, dot(q, self.windows.vector(w as usize))))
+            .map(|w| (w, dot(q, &self.windows.vector(w as usize))))
             .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
         match best {
             Some((w, s)) => (mix * s + (1.0 - mix) * whole, Some(w)),

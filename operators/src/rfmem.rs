@@ -450,7 +450,7 @@ impl VectorStore {
     }
 
     /// Row `i` (unit length).
-    pub fn vector(&self, i: usize) -> &[f32] {
+    pub fn vector(&self, i: usize) -> std::borrow::Cow<'_, [f32]> {
         self.corpus.row(i)
     }
 
@@ -712,7 +712,7 @@ fn recollect(
             if cands.is_empty() {
                 continue;
             }
-            let vecs: Vec<&[f32]> = cands
+            let vecs: Vec<std::borrow::Cow<'_, [f32]>> = cands
                 .iter()
                 .map(|h| store.vector(h.index as usize))
                 .collect();
@@ -720,7 +720,7 @@ fn recollect(
                 .map(|i| {
                     let max_sim = (0..cands.len())
                         .filter(|&j| j != i)
-                        .map(|j| dot(vecs[i], vecs[j]))
+                        .map(|j| dot(&vecs[i], &vecs[j]))
                         .fold(None, |m: Option<f32>, s| Some(m.map_or(s, |m| m.max(s))))
                         .unwrap_or(0.0);
                     p.mmr_lambda * cands[i].score - (1.0 - p.mmr_lambda) * max_sim
@@ -736,7 +736,7 @@ fn recollect(
                 }
                 let mut centroid = vec![0.0f32; dim];
                 for &i in &members {
-                    for (a, v) in centroid.iter_mut().zip(vecs[i]) {
+                    for (a, v) in centroid.iter_mut().zip(vecs[i].iter()) {
                         *a += v;
                     }
                 }
@@ -772,7 +772,7 @@ fn recollect(
                 if seen.insert(index) {
                     out.push(Found {
                         index,
-                        score: dot(q0, store.vector(index as usize)),
+                        score: dot(q0, &store.vector(index as usize)),
                         round: level as u32,
                     });
                 }

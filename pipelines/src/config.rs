@@ -244,6 +244,9 @@ pub struct SteamConfig {
     pub ivf_min_memories: usize,
     /// Largest community a link may grow by merging (0: unbounded).
     pub max_community: usize,
+    /// How the relation index keeps the memories' embeddings: f32 or bf16.
+    #[serde(deserialize_with = "row_precision")]
+    pub index_precision: steamrf_kernels::RowPrecision,
     /// Where links, communities and prototypes are kept.
     pub communities: CommunitiesMode,
     /// The internal topic of memory changes (`communities = "topic"`).
@@ -316,6 +319,14 @@ fn kernel_choice<'de, D: Deserializer<'de>>(
             "unknown kernel {other:?} (expected auto, cuda or cpu)"
         ))),
     }
+}
+
+fn row_precision<'de, D: Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<steamrf_kernels::RowPrecision, D::Error> {
+    String::deserialize(d)?
+        .parse()
+        .map_err(|e: steamrf_kernels::Error| de::Error::custom(e.to_string()))
 }
 
 fn cpu_precision<'de, D: Deserializer<'de>>(
@@ -416,6 +427,7 @@ impl SteamConfig {
             min_users: self.min_users,
             tenant_separator: None,
             max_community: self.max_community,
+            index_precision: self.index_precision,
         }
     }
 }
@@ -1433,6 +1445,29 @@ mod tests {
         assert!(
             !dbg.contains("hunter2") && dbg.contains("<redacted>"),
             "{dbg}"
+        );
+    }
+
+    #[test]
+    fn the_relation_index_keeps_bf16_rows_unless_told_otherwise() {
+        let c = Config::load_with_env(None, []).unwrap();
+        assert_eq!(c.steam.index_precision, steamrf_kernels::RowPrecision::Bf16);
+        assert_eq!(
+            c.steam.params().index_precision,
+            steamrf_operators::steam::SteamParams::default().index_precision,
+            "default.toml and SteamParams::default agree"
+        );
+        let f = file("[steam]\nindex_precision = \"f32\"\n");
+        let c = Config::load_with_env(Some(f.path()), []).unwrap();
+        assert_eq!(
+            c.steam.params().index_precision,
+            steamrf_kernels::RowPrecision::F32
+        );
+        let p = problems("[steam]\nindex_precision = \"f16\"\n");
+        assert!(
+            p.iter()
+                .any(|p| p.contains("index_precision") && p.contains("\"f32\" or \"bf16\"")),
+            "{p:?}"
         );
     }
 

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::CpuKernel;
 use crate::reference::ScalarKernel;
-use crate::{Corpus, Error, Hit, SearchParams, SimilarityKernel};
+use crate::{Corpus, Error, Hit, RowPrecision, SearchParams, SimilarityKernel};
 
 /// Scores from different summation orders differ by a few ulps.
 const TOL: f32 = 1e-5;
@@ -33,7 +33,7 @@ fn assert_agrees(
             );
             let truth: f32 = query
                 .iter()
-                .zip(corpus.row(a.index as usize))
+                .zip(corpus.row(a.index as usize).iter())
                 .map(|(x, y)| x * y)
                 .sum();
             assert!(
@@ -110,14 +110,19 @@ proptest! {
         k in 0usize..20,
         min_score in prop::option::of(-1.0f32..1.0),
     ) {
-        let corpus = Corpus::from_rows(&corpus_values, dim).unwrap();
-        let params = SearchParams { k, min_score: min_score.unwrap_or(f32::NEG_INFINITY), exclude: None };
-        check(&queries, &corpus, &params);
-        // The same with an exclusion filter ("not the same user": rows and
-        // queries belong to users i % 3).
-        let same_user = |q: usize, c: usize| q % 3 == c % 3;
-        let params = SearchParams { exclude: Some(&same_user), ..params };
-        check(&queries, &corpus, &params);
+        // Rows kept in f32 and in bf16: each against the reference over
+        // the same corpus.
+        for precision in [RowPrecision::F32, RowPrecision::Bf16] {
+            let mut corpus = Corpus::with_precision(dim, precision);
+            corpus.push_rows(&corpus_values).unwrap();
+            let params = SearchParams { k, min_score: min_score.unwrap_or(f32::NEG_INFINITY), exclude: None };
+            check(&queries, &corpus, &params);
+            // The same with an exclusion filter ("not the same user": rows and
+            // queries belong to users i % 3).
+            let same_user = |q: usize, c: usize| q % 3 == c % 3;
+            let params = SearchParams { exclude: Some(&same_user), ..params };
+            check(&queries, &corpus, &params);
+        }
     }
 }
 
@@ -205,13 +210,51 @@ fn nan_and_bad_shapes_are_rejected() {
 fn corpus_updates_incrementally() {
     let mut corpus = Corpus::from_rows(&[1.0, 0.0], 2).unwrap();
     corpus.push_rows(&[0.0, 3.0]).unwrap();
-    assert_eq!(corpus.row(1), &[0.0, 1.0]);
+    assert_eq!(*corpus.row(1), [0.0, 1.0]);
     corpus.set_row(0, &[0.0, -2.0]).unwrap();
-    assert_eq!(corpus.row(0), &[0.0, -1.0]);
+    assert_eq!(*corpus.row(0), [0.0, -1.0]);
     assert!(corpus.push_rows(&[f32::NAN, 1.0]).is_err());
     assert_eq!(corpus.len(), 2, "a rejected push appends nothing");
     let hits = CpuKernel::default()
         .top_k(&[0.0, 1.0], &corpus, &SearchParams::top(1))
         .unwrap();
     assert_eq!(hits[0][0].index, 1);
+}
+
+/// A bf16 corpus: half the bytes, each value the f32 row's rounded to
+/// nearest (within 2⁻⁸ relative), read back the same by every accessor,
+/// and updated in place like an f32 one.
+#[test]
+fn a_bf16_corpus_keeps_rounded_rows_in_half_the_bytes() {
+    let dim = 384;
+    let values: Vec<f32> = (0..5 * dim)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let full = Corpus::from_rows(&values, dim).unwrap();
+    let mut half = Corpus::with_precision(dim, RowPrecision::Bf16);
+    half.push_rows(&values).unwrap();
+    assert_eq!(half.precision(), RowPrecision::Bf16);
+    assert_eq!(half.len(), 5);
+    assert_eq!(half.bytes() * 2, full.bytes());
+    for i in 0..5 {
+        let (a, b) = (full.row(i), half.row(i));
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= x.abs() / 256.0, "{x} vs {y}");
+            assert_eq!(half::bf16::from_f32(*x).to_f32(), *y);
+        }
+        let mut copied = vec![0.0; dim];
+        half.copy_row(i, &mut copied);
+        assert_eq!(copied, *b);
+        assert_eq!(half.dot_row(i, &a), crate::dot(&a, &b));
+        assert_eq!(*half.rows(i..i + 1), *b);
+    }
+    assert_eq!(half.values().len(), 5 * dim);
+    half.set_row(2, &values[..dim]).unwrap();
+    assert_eq!(*half.row(2), *half.row(0));
+    let changed = half.changed_since(1).unwrap();
+    assert_eq!((changed.len(), &changed[0]), (1, &(2..3)));
+    assert!(half.push_rows(&[f32::NAN; 384]).is_err());
+    assert_eq!(half.len(), 5, "a rejected push appends nothing");
+    assert_eq!("bf16".parse::<RowPrecision>().unwrap(), RowPrecision::Bf16);
+    assert!("f16".parse::<RowPrecision>().is_err());
 }

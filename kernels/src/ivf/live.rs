@@ -256,11 +256,13 @@ impl IvfKernel {
             trained_rows: n,
             assigned_since_training: 0,
         };
+        let mut v = vec![0.0; corpus.dim()];
         for (row, list) in assign(corpus, 0..n, &ix.centroids, &cpu)?
             .into_iter()
             .enumerate()
         {
-            ix.place(row, list, corpus.row(row));
+            corpus.copy_row(row, &mut v);
+            ix.place(row, list, &v);
         }
         if self.int8_rescore().is_some() {
             let dim = corpus.dim();
@@ -270,8 +272,9 @@ impl IvfKernel {
                     .iter()
                     .map(|members| {
                         rows.clear();
-                        for &r in members {
-                            rows.extend_from_slice(corpus.row(r as usize));
+                        rows.resize(members.len() * dim, 0.0);
+                        for (dst, &r) in rows.chunks_exact_mut(dim).zip(members) {
+                            corpus.copy_row(r as usize, dst);
                         }
                         let n = members.len();
                         QuantLinear::new(Format::Int8, &rows, &vec![0.0; n], n, dim)
@@ -320,13 +323,13 @@ impl IvfKernel {
         }
         if !rows.is_empty() {
             let dim = corpus.dim();
-            let mut q = Vec::with_capacity(rows.len() * dim);
-            for &r in &rows {
-                q.extend_from_slice(corpus.row(r));
+            let mut q = vec![0.0; rows.len() * dim];
+            for (dst, &r) in q.chunks_exact_mut(dim).zip(&rows) {
+                corpus.copy_row(r, dst);
             }
             let nearest = self.cpu().top_k(&q, &ix.centroids, &SearchParams::top(1))?;
-            for (&row, hits) in rows.iter().zip(nearest) {
-                ix.place(row, hits.first().map_or(0, |h| h.index), corpus.row(row));
+            for ((&row, hits), v) in rows.iter().zip(nearest).zip(q.chunks_exact(dim)) {
+                ix.place(row, hits.first().map_or(0, |h| h.index), v);
             }
             ix.assigned_since_training += rows.len();
         }
@@ -441,7 +444,7 @@ impl IvfKernel {
                     None => {
                         let tile = &mut tile[..n * dim];
                         for (dst, &r) in tile.chunks_exact_mut(dim).zip(rows) {
-                            dst.copy_from_slice(corpus.row(r as usize));
+                            corpus.copy_row(r as usize, dst);
                         }
                         in_chunks(
                             q,

@@ -17,7 +17,7 @@ use super::{Format, QuantLinear, vnni_available};
 use crate::cpu::{CpuKernel, scan, search_blocks};
 use crate::{
     Backend, Corpus, Error, Hit, PerCorpus, Prepared, Result, SearchParams, SimilarityKernel, TopK,
-    dot, prepare_search,
+    prepare_search,
 };
 
 /// How far below `min_score` an int8 score may fall and still be rescored:
@@ -115,7 +115,7 @@ impl QuantKernel {
         let (n, dim, rows) = (corpus.len(), corpus.dim(), self.block_rows.max(1));
         let build = |b: usize| {
             let (start, end) = (b * rows, ((b + 1) * rows).min(n));
-            let data = &corpus.as_slice()[start * dim..end * dim];
+            let data = &corpus.rows(start..end);
             Arc::new(QuantLinear::new(
                 Format::Int8,
                 data,
@@ -146,10 +146,10 @@ impl QuantKernel {
                     // The last search's clones are gone: no copy is made.
                     let block = Arc::make_mut(&mut s.blocks[b]);
                     if j < block.outputs() {
-                        block.set_row(j, corpus.row(r));
+                        block.set_row(j, &corpus.row(r));
                     } else {
                         debug_assert_eq!(j, block.outputs(), "rows are appended in order");
-                        block.push_row(corpus.row(r), 0.0);
+                        block.push_row(&corpus.row(r), 0.0);
                     }
                 }
                 s.version = corpus.version();
@@ -239,7 +239,7 @@ pub(crate) fn rescore_exactly(
             let query = &q[qi * dim..(qi + 1) * dim];
             let mut exact = TopK::new(params.k);
             for hit in heap.into_sorted() {
-                let score = dot(query, corpus.row(hit.index as usize));
+                let score = corpus.dot_row(hit.index as usize, query);
                 if score >= params.min_score {
                     exact.push(Hit {
                         index: hit.index,
@@ -322,7 +322,7 @@ mod tests {
             })
             .sum();
         assert!(found >= 198, "recall@10 {found}/200");
-        assert!(kernel.shadow_bytes() < corpus.as_slice().len() * 4 / 3);
+        assert!(kernel.shadow_bytes() < corpus.bytes() / 3);
         // A second corpus (another tenant's) gets its own int8 copy; the
         // first keeps its own, and goes when its corpus does.
         let first = kernel.shadow_bytes();

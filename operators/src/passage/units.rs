@@ -287,8 +287,8 @@ pub fn retrieve_units_until(
         .into_iter()
         .map(|(w, round)| {
             let row = index.owner[w as usize];
-            let cos = dot(&q, index.windows.vector(w as usize));
-            let whole = dot(&q, index.rows.vector(row as usize));
+            let cos = dot(&q, &index.windows.vector(w as usize));
+            let whole = dot(&q, &index.rows.vector(row as usize));
             let d = h.mix * cos + (1.0 - h.mix) * whole;
             let lex = lexical.get(w as usize).copied().unwrap_or(0.0);
             let sp = sparse.get(w as usize).copied().unwrap_or(0.0);

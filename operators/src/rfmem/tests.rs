@@ -119,7 +119,7 @@ fn recollection_is_deterministic_and_well_formed() {
         let mut qn = q.to_vec();
         normalize(&mut qn);
         for h in &a.hits {
-            let s = dot(&qn, store.vector(h.index as usize));
+            let s = dot(&qn, &store.vector(h.index as usize));
             assert!((s - h.score).abs() < 1e-4);
         }
         // Rounds are non-decreasing in discovery order; the top-up follows

@@ -21,10 +21,11 @@ pub mod relations;
 pub mod retrieve;
 mod tally;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use steamrf_kernels::SimilarityKernel;
+use steamrf_kernels::{RowPrecision, SimilarityKernel};
 
 use self::community::{Communities, CommunityDelta, GraphBatch};
 use self::memory::{EvolveParams, Memory, Observation, Step, UserMemories, summarise};
@@ -52,6 +53,13 @@ pub struct SteamParams {
     /// Largest community a merge may make (0: unbounded, the connected
     /// components of the link graph); see [`community`].
     pub max_community: usize,
+    /// How the relation index keeps each memory's embedding: bf16 (the
+    /// default: 768 bytes less per memory at 384 dimensions; links are found
+    /// and scored on the rounded vectors, within ~2⁻⁸ of their f32
+    /// cosines, so neighbours that close may swap), or f32. A full state's
+    /// memories keep their f32 embeddings either way; a
+    /// [lean](SteamState::lean) one has only the index's.
+    pub index_precision: RowPrecision,
 }
 
 impl Default for SteamParams {
@@ -63,6 +71,7 @@ impl Default for SteamParams {
             min_users: 3,
             tenant_separator: None,
             max_community: 1000,
+            index_precision: RowPrecision::Bf16,
         }
     }
 }
@@ -178,7 +187,8 @@ impl SteamState {
             users: BTreeMap::new(),
             owner: HashMap::new(),
             names: HashSet::new(),
-            index: MemoryIndex::new(dim).with_tenant_separator(params.tenant_separator),
+            index: MemoryIndex::with_precision(dim, params.index_precision)
+                .with_tenant_separator(params.tenant_separator),
             communities: Communities::with_cap(params.max_community),
             out_links: HashMap::new(),
             prototypes: HashMap::new(),
@@ -274,7 +284,7 @@ impl SteamState {
     }
 
     /// A memory's embedding, wherever the state keeps it.
-    pub fn embedding(&self, id: MemoryId) -> Option<&[f32]> {
+    pub fn embedding(&self, id: MemoryId) -> Option<Cow<'_, [f32]>> {
         let m = self.memory(id)?;
         Some(member(&self.index, m).embedding)
     }
@@ -720,6 +730,15 @@ impl SteamState {
         self.out_links.insert(from, OutLink::of(&links));
     }
 
+    /// The links memory `from` keeps, as [`SteamState::restore_links`]
+    /// takes them (a copy of the state's graph, for benchmarks and checks).
+    pub fn links_from(&self, from: MemoryId) -> Vec<Link> {
+        self.out_links
+            .get(&from)
+            .map(|v| v.iter().map(|l| l.link(from)).collect())
+            .unwrap_or_default()
+    }
+
     /// Recomputes every community and prototype from the memories and links
     /// (from scratch).
     pub fn rebuild(&mut self) -> LinkOutcome {
@@ -928,9 +947,9 @@ fn find<'a>(
 /// from the relation index where a lean state keeps it alone.
 fn member<'a>(index: &'a MemoryIndex, m: &'a Memory) -> Member<'a> {
     let embedding = if m.embedding.is_empty() {
-        index.embedding(m.id).unwrap_or(&[])
+        index.embedding(m.id).unwrap_or_default()
     } else {
-        &m.embedding
+        Cow::Borrowed(m.embedding.as_slice())
     };
     Member {
         memory: m,

@@ -9,9 +9,10 @@
 //! memory changes, tombstoned when one is deleted (rows are reused by later
 //! memories).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 
-use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
+use steamrf_kernels::{Corpus, RowPrecision, SearchParams, SimilarityKernel};
 
 use super::MemoryId;
 
@@ -19,6 +20,7 @@ use super::MemoryId;
 #[derive(Debug, Clone)]
 pub struct MemoryIndex {
     dim: usize,
+    precision: RowPrecision,
     /// By tenant id.
     parts: Vec<Part>,
     /// (tenant, row) of each memory.
@@ -41,9 +43,9 @@ struct Part {
 }
 
 impl Part {
-    fn new(dim: usize) -> Self {
+    fn new(dim: usize, precision: RowPrecision) -> Self {
         Self {
-            corpus: Corpus::new(dim),
+            corpus: Corpus::with_precision(dim, precision),
             ids: Vec::new(),
             owners: Vec::new(),
             live: Vec::new(),
@@ -122,6 +124,15 @@ impl OutLink {
         MemoryId(u128::from(self.to[0]) | (u128::from(self.to[1]) << 64))
     }
 
+    /// The link from `from` it keeps.
+    pub(crate) fn link(&self, from: MemoryId) -> Link {
+        Link {
+            from,
+            to: self.to(),
+            score: self.score,
+        }
+    }
+
     /// The links of `from`, as kept.
     pub(crate) fn of(links: &[Link]) -> Vec<Self> {
         links.iter().map(Self::new).collect()
@@ -131,8 +142,14 @@ impl OutLink {
 impl MemoryIndex {
     /// An empty index of `dim`-dimensional embeddings.
     pub fn new(dim: usize) -> Self {
+        Self::with_precision(dim, RowPrecision::F32)
+    }
+
+    /// An empty index keeping its embeddings in `precision`.
+    pub fn with_precision(dim: usize, precision: RowPrecision) -> Self {
         Self {
             dim,
+            precision,
             parts: Vec::new(),
             row_of: HashMap::new(),
             user_ids: HashMap::new(),
@@ -187,7 +204,7 @@ impl MemoryIndex {
                 let next = self.tenant_ids.len() as u32;
                 let t = *self.tenant_ids.entry(tenant.to_owned()).or_insert(next);
                 if t as usize == self.parts.len() {
-                    self.parts.push(Part::new(self.dim));
+                    self.parts.push(Part::new(self.dim, self.precision));
                 }
                 self.owner_tenant.push(t);
                 o
@@ -212,7 +229,7 @@ impl MemoryIndex {
     }
 
     /// Memory `id`'s embedding, if it is indexed.
-    pub fn embedding(&self, id: MemoryId) -> Option<&[f32]> {
+    pub fn embedding(&self, id: MemoryId) -> Option<Cow<'_, [f32]>> {
         let &(t, row) = self.row_of.get(&id)?;
         Some(self.parts[t as usize].corpus.row(row))
     }
@@ -251,7 +268,7 @@ impl MemoryIndex {
             let part = &self.parts[t as usize];
             let mut queries = Vec::with_capacity(rows.len() * self.dim);
             for &r in &rows {
-                queries.extend_from_slice(part.corpus.row(r));
+                queries.extend_from_slice(&part.corpus.row(r));
             }
             let exclude =
                 |q: usize, c: usize| !part.live[c] || part.owners[c] == part.owners[rows[q]];

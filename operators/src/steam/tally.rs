@@ -13,6 +13,7 @@
 //! their members: both give the same prototype (a property test checks the
 //! kept tallies against digests built from scratch).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use super::memory::Memory;
@@ -21,10 +22,10 @@ use super::{Digest, ItemFacts, MemoryId};
 /// A member as a tally reads it: its owner and items from the memory, its
 /// embedding from wherever the state keeps it (the memory, or only the
 /// relation index: [`super::SteamState::lean`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Member<'a> {
     pub(super) memory: &'a Memory,
-    pub(super) embedding: &'a [f32],
+    pub(super) embedding: Cow<'a, [f32]>,
 }
 
 /// Fixed-point units per 1.0 of an embedding value.
@@ -82,7 +83,7 @@ impl Tally {
             if self.sum.is_empty() {
                 self.sum = vec![0; dim];
             }
-            for (s, &v) in self.sum.iter_mut().zip(member.embedding) {
+            for (s, &v) in self.sum.iter_mut().zip(member.embedding.iter()) {
                 *s = if join {
                     s.wrapping_add(fixed(v))
                 } else {

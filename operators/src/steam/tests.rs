@@ -499,6 +499,87 @@ fn a_memory_id_never_changes_owner() {
     assert_eq!(o.formed, 1);
 }
 
+/// A writer whose relation index keeps bf16 rows finds the links an f32
+/// one finds, but for pairs whose cosines sit within the rounding of τ or of
+/// each other, with scores within the rounding (~2⁻⁸) of the f32 cosines;
+/// its embeddings are the f32 ones rounded.
+#[test]
+fn a_bf16_index_links_as_the_f32_one_within_its_rounding() {
+    let dim = 64;
+    let (n, users, topics) = (1500u64, 150u64, 30u64);
+    // Deterministic clustered vectors: a topic's centre plus noise, so
+    // neighbours sit around cosine 0.5–0.9 and many links are found.
+    let value = |a: u64, b: u64| {
+        let h = (a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+            .rotate_left(29)
+            .wrapping_mul(0x1656_67B1_9E37_79F9);
+        (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let memory = |id: u64| {
+        let topic = id % topics;
+        let embedding: Vec<f32> = (0..dim as u64)
+            .map(|d| value(topic, d) + 0.45 * value(1000 + id, d))
+            .collect();
+        Memory {
+            id: MemoryId(u128::from(id)),
+            user_id: format!("u{}", id % users),
+            content: String::new(),
+            embedding,
+            interactions: vec![format!("e{id}")],
+            items: vec![format!("i{id}")],
+            community: None,
+            created_ms: 0,
+            updated_ms: 0,
+            version: 1,
+            facets: BTreeMap::new(),
+            recent: Vec::new(),
+        }
+    };
+    let state = |precision| {
+        let params = SteamParams {
+            index_precision: precision,
+            ..SteamParams::default()
+        };
+        let mut s = SteamState::new(params, dim).lean();
+        for id in 1..=n {
+            s.restore_memory(memory(id)).unwrap();
+        }
+        s
+    };
+    let (full, half) = (state(RowPrecision::F32), state(RowPrecision::Bf16));
+    let ids: Vec<MemoryId> = (1..=n).map(|i| MemoryId(u128::from(i))).collect();
+    let kernel = CpuKernel::default();
+    let want = full.link_dry_run(&kernel, &ids).unwrap();
+    let got = half.link_dry_run(&kernel, &ids).unwrap();
+    assert!(want.len() > 1000, "{} links", want.len());
+    let cosine = |a: MemoryId, b: MemoryId| {
+        steamrf_kernels::dot(&full.embedding(a).unwrap(), &full.embedding(b).unwrap())
+    };
+    for l in &got {
+        assert!(
+            (l.score - cosine(l.from, l.to)).abs() < 0.01,
+            "{l:?} vs {}",
+            cosine(l.from, l.to)
+        );
+    }
+    let found: HashSet<(MemoryId, MemoryId)> = got.iter().map(|l| (l.from, l.to)).collect();
+    let same = want
+        .iter()
+        .filter(|l| found.contains(&(l.from, l.to)))
+        .count();
+    assert!(
+        same as f64 >= 0.98 * want.len() as f64,
+        "{same} of {} links",
+        want.len()
+    );
+    for id in ids.iter().step_by(97) {
+        let (a, b) = (full.embedding(*id).unwrap(), half.embedding(*id).unwrap());
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x - y).abs() <= x.abs() / 256.0, "{x} vs {y}");
+        }
+    }
+}
+
 mod tallies {
     use proptest::prelude::*;
 
@@ -616,8 +697,8 @@ mod tallies {
         }
     }
 
-    fn close(a: &[f32], b: &[f32]) -> bool {
-        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6)
+    fn within(a: &[f32], b: &[f32], tolerance: f32) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tolerance)
     }
 
     fn prototypes(s: &SteamState) -> BTreeMap<MemoryId, Prototype> {
@@ -667,13 +748,19 @@ mod tallies {
         /// communities and prototypes as the full state, after every step.
         /// The index's copy is normalised again on the way in, so embeddings
         /// (and prototype vectors, their normalised sums) agree to a few
-        /// ulps, not bits.
+        /// ulps, not bits; with a bf16 index (both states link on the same
+        /// rounded rows) to its rounding, 2⁻⁸ of a unit value.
         #[test]
         fn a_lean_writer_state_links_and_publishes_as_the_full_one(
             ops in prop::collection::vec(op(), 1..40),
             cap in prop_oneof![Just(0usize), 2usize..6],
+            bf16 in any::<bool>(),
         ) {
-            let params = params(cap);
+            let params = SteamParams {
+                index_precision: if bf16 { RowPrecision::Bf16 } else { RowPrecision::F32 },
+                ..params(cap)
+            };
+            let tolerance = if bf16 { 1.0 / 256.0 } else { 1e-6 };
             let kernel = CpuKernel::default();
             let mut full = SteamState::new(params, 4);
             let mut lean = SteamState::new(params, 4).lean();
@@ -706,7 +793,7 @@ mod tallies {
                 prop_assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
                 for (p, q) in a.values().zip(b.values()) {
                     prop_assert_eq!((&p.content, &p.members, p.users), (&q.content, &q.members, q.users));
-                    prop_assert!(close(&p.embedding, &q.embedding), "{:?} vs {:?}", p.embedding, q.embedding);
+                    prop_assert!(within(&p.embedding, &q.embedding, tolerance), "{:?} vs {:?}", p.embedding, q.embedding);
                 }
                 for u in full.user_ids() {
                     for m in &full.user(u).unwrap().memories {
@@ -715,7 +802,7 @@ mod tallies {
                         prop_assert_eq!(kept.embedding.is_empty(), !profile);
                         prop_assert!(kept.content.is_empty() && kept.interactions.is_empty());
                         let kept_embedding = lean.embedding(m.id).expect("kept");
-                        prop_assert!(close(kept_embedding, &m.embedding), "{kept_embedding:?} vs {:?}", m.embedding);
+                        prop_assert!(within(&kept_embedding, &m.embedding, tolerance), "{kept_embedding:?} vs {:?}", m.embedding);
                         prop_assert_eq!(kept.community, m.community);
                     }
                 }

@@ -431,6 +431,12 @@ enum BenchCmd {
         /// batch is linked. For corpora whose state fits only once.
         #[arg(long)]
         no_exact_writer: bool,
+        /// How the writers' relation index keeps the embeddings
+        /// (`steam.index_precision`). With `bf16`, the exact writer keeps
+        /// f32 rows, so link recall and community agreement measure the
+        /// rounding too.
+        #[arg(long, default_value = "bf16", value_parser = ["f32", "bf16"])]
+        index_precision: String,
     },
     /// Sentences/s of the in-process MiniLM embedder beside sentence-transformers on torch.
     Embed {
@@ -731,6 +737,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     k_neighbours,
                 },
                 fit_only,
+                index_precision: config.steam.index_precision,
             })
             .await
             .context("eval steam")?;
@@ -906,6 +913,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                     config,
                     lancedb,
                     no_exact_writer,
+                    index_precision,
                 },
         } => {
             let texts = match texts {
@@ -934,6 +942,7 @@ async fn real_main(cmd: Cmd) -> anyhow::Result<ExitCode> {
                 texts,
                 lancedb,
                 exact_writer: !no_exact_writer,
+                index_precision: index_precision.parse()?,
             };
             let lines = tokio::task::spawn_blocking(move || bench::communities(&b)).await??;
             Ok(print_lines(&lines))

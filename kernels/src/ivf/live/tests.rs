@@ -1,5 +1,6 @@
 use super::*;
 
+use crate::RowPrecision;
 use crate::testdata::uniform;
 
 /// `n` points around `clusters` random centres (noise 0.5 of the centre's
@@ -95,7 +96,7 @@ fn approximate_hits_are_exact_scores_that_respect_the_filter() {
         for h in g {
             assert!(!exclude(qi, h.index as usize));
             assert!(h.score >= 0.3);
-            let exact = crate::dot(corpus.row(qi), corpus.row(h.index as usize));
+            let exact = crate::dot(&corpus.row(qi), &corpus.row(h.index as usize));
             assert!((h.score - exact).abs() < 1e-4, "{} vs {exact}", h.score);
         }
         let w = ids(w);
@@ -171,15 +172,31 @@ fn retrains_after_as_many_assignments_as_it_trained_on() {
 /// and the filter, with recall close to the f32 lists'.
 #[test]
 fn int8_lists_follow_the_rows_and_rescore_exactly() {
+    int8_lists_follow_the_rows(RowPrecision::F32);
+}
+
+/// The same over a corpus kept in bf16: the codes are built from the rows
+/// as stored, and the rescored scores are the f32 dot products with them.
+#[test]
+fn int8_lists_over_bf16_rows_rescore_against_the_rows_kept() {
+    int8_lists_follow_the_rows(RowPrecision::Bf16);
+}
+
+fn int8_lists_follow_the_rows(precision: RowPrecision) {
     if !quant::vnni_available() {
         eprintln!("int8 IVF lists: skipped, this CPU lacks AVX-512 VNNI");
         return;
     }
-    eprintln!("int8 IVF lists on {}", quant::int8_unit());
+    eprintln!(
+        "int8 IVF lists over {} rows on {}",
+        precision.as_str(),
+        quant::int8_unit()
+    );
     let dim = 32;
     let n = 4000;
     let rows = clustered(n + 400, 40, dim, 7);
-    let mut corpus = Corpus::from_rows(&rows[..n * dim], dim).unwrap();
+    let mut corpus = Corpus::with_precision(dim, precision);
+    corpus.push_rows(&rows[..n * dim]).unwrap();
     let p = params(100, 0, 6);
     let k8 = ivf(IvfKernelParams {
         int8_rescore: Some(4),
@@ -202,7 +219,7 @@ fn int8_lists_follow_the_rows_and_rescore_exactly() {
             for h in g {
                 assert!(!exclude(qi, h.index as usize));
                 assert!(h.score >= 0.3);
-                let exact = crate::dot(normalised.row(qi), corpus.row(h.index as usize));
+                let exact = crate::dot(&normalised.row(qi), &corpus.row(h.index as usize));
                 assert_eq!(h.score, exact);
             }
             total += w.len();

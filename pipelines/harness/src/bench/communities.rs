@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_kernels::ivf::{IvfKernel, IvfKernelParams};
-use steamrf_kernels::{Corpus, SearchParams, SimilarityKernel};
+use steamrf_kernels::{Corpus, RowPrecision, SearchParams, SimilarityKernel};
 use steamrf_operators::steam::memory::Memory;
 use steamrf_operators::steam::relations::Link;
 use steamrf_operators::steam::{LinkOutcome, MemoryId, SteamParams, SteamState};
@@ -59,6 +59,8 @@ pub struct CommunitiesBench {
     /// kernel over each writer's own state before its batch is linked
     /// (the same links: extraction reads only the embeddings and owners).
     pub exact_writer: bool,
+    /// `steam.index_precision` of the writers (the exact writer keeps f32).
+    pub index_precision: RowPrecision,
 }
 
 /// Whether `--precision` (auto, f32 or int8, as `steam.cpu_precision`)
@@ -165,6 +167,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let params = SteamParams {
         max_community: b.max_community,
         tenant_separator: separator,
+        index_precision: b.index_precision,
         ..SteamParams::default()
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -203,8 +206,9 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         None => format!("u{u}"),
     };
     let writer_of = |user: &str| shard_of(tenant_of(user, separator), writers as u32) as usize;
-    // A memory's topic: its window of texts, or a synthetic centre.
-    let (mut synth, topics) = match &b.texts {
+    // A memory's topic: its window of texts, or a synthetic centre. The
+    // same generator again draws the same memories.
+    let new_synth = || match &b.texts {
         Some(v) => {
             let s = Synth::from_texts(v.clone(), b.dim);
             let windows = s.text_count().div_ceil(super::TEXT_WINDOW);
@@ -215,6 +219,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             (Synth::new(topics, b.dim), topics)
         }
     };
+    let (mut synth, topics) = new_synth();
     let draw = |synth: &mut Synth| -> (Vec<f32>, usize) {
         if synth.text_count() > 0 {
             synth.text_memory()
@@ -335,11 +340,41 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "writer state before the batches: {rss_mib:.0} MiB resident, all writers ({vectors_mib:.0} MiB of f32 vectors); indexes built in {warm_s:.1} s"
     ));
     // The exact writers: the same states, linked by the exact f32 kernel.
-    let compare = b.ivf || b.int8;
-    let mut exact_states: Vec<SteamState> = if compare && b.exact_writer {
-        states.clone()
-    } else {
-        Vec::new()
+    // Writers with bf16 rows get exact writers with f32 rows: the same
+    // memories drawn again, the same initial links and communities.
+    let bf16 = b.index_precision == RowPrecision::Bf16;
+    let compare = b.ivf || b.int8 || bf16;
+    let mut exact_states: Vec<SteamState> = match (compare && b.exact_writer, bf16) {
+        (false, _) => Vec::new(),
+        (true, false) => states.clone(),
+        (true, true) => {
+            let f32_params = SteamParams {
+                index_precision: RowPrecision::F32,
+                ..params
+            };
+            let mut exact: Vec<SteamState> = (0..writers)
+                .map(|_| SteamState::new(f32_params, b.dim).lean())
+                .collect();
+            let (mut again, _) = new_synth();
+            for i in 0..b.memories {
+                let (e, topic) = draw(&mut again);
+                let user = user_id(i % users);
+                let w = writer_of(&user);
+                exact[w]
+                    .restore_memory(memory(i as u64 + 1, user, topic, e))
+                    .map_err(internal)?;
+            }
+            for (x, s) in exact.iter_mut().zip(&states) {
+                for id in (0..b.memories).map(|i| mid(i as u64 + 1)) {
+                    let links = s.links_from(id);
+                    if !links.is_empty() {
+                        x.restore_links(id, links);
+                    }
+                }
+                x.rebuild();
+            }
+            exact
+        }
     };
 
     let mut next_id = b.memories as u64 + 1;
@@ -347,6 +382,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let (mut extract_times, mut exact_extract_times) = (Vec::new(), Vec::new());
     let (mut community_times, mut prototype_times) = (Vec::new(), Vec::new());
     let (mut links, mut links_found) = (0usize, 0usize);
+    let mut substitute_gaps: Vec<f64> = Vec::new();
     let mut batch_ids = Vec::new();
     let mut last: Vec<LinkOutcome> = Vec::new();
     let (mut last_ids, mut last_exact) = (Vec::new(), Vec::new());
@@ -429,6 +465,32 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             .iter()
             .filter(|l| got.contains(&(l.from, l.to)))
             .count();
+        // A link found instead of an exact one: how far its f32 cosine
+        // (from the exact writer's rows) falls below the weakest exact link
+        // of its memory. Near 0: a near-tie reordered, not a worse link.
+        if !exact_states.is_empty() {
+            let mut weakest: HashMap<MemoryId, f32> = HashMap::new();
+            let mut exact_pairs = HashSet::new();
+            for l in &exact_links {
+                let w = weakest.entry(l.from).or_insert(f32::INFINITY);
+                *w = w.min(l.score);
+                exact_pairs.insert((l.from, l.to));
+            }
+            let cosine = |a: MemoryId, b: MemoryId| {
+                let x = exact_states.iter().find_map(|s| s.embedding(a))?;
+                let y = exact_states.iter().find_map(|s| s.embedding(b))?;
+                Some(steamrf_kernels::dot(&x, &y))
+            };
+            for l in outcomes.iter().flat_map(|o| &o.links) {
+                if exact_pairs.contains(&(l.from, l.to)) {
+                    continue;
+                }
+                if let Some(c) = cosine(l.from, l.to) {
+                    let floor = weakest.get(&l.from).copied().unwrap_or(params.link_tau);
+                    substitute_gaps.push(f64::from((floor - c).max(0.0)));
+                }
+            }
+        }
         last_ids = ids.iter().flatten().copied().collect();
         batch_ids.extend(ids.into_iter().flatten());
         last_exact = exact_links;
@@ -461,6 +523,16 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "communities after the batches: {count}, sizes median {median_size}, p99 {p99}, largest {largest}"
     ));
     let mut extra = String::new();
+    let approx = format!(
+        "{}{}{}",
+        if b.ivf {
+            "the IVF"
+        } else {
+            "the exhaustive kernel"
+        },
+        if b.int8 { " in int8" } else { "" },
+        if bf16 { " over bf16 rows" } else { "" }
+    );
     if compare {
         let exact_extract_ms = median(&mut exact_extract_times);
         let extract_ms = median(&mut extract_times);
@@ -510,22 +582,37 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
                 } else {
                     ""
                 },
-                if b.ivf { "the IVF" } else { "int8" },
+                approx,
                 exact_ms / incremental_ms,
                 exact_extract_ms / extract_ms,
                 touched.len(),
                 same
             ));
+            substitute_gaps.sort_by(f64::total_cmp);
+            let at = |q: f64| {
+                let i = ((substitute_gaps.len() as f64 - 1.0) * q).round().max(0.0) as usize;
+                substitute_gaps.get(i).copied().unwrap_or(0.0)
+            };
+            let (gap_median, gap_p99, gap_max) = (at(0.5), at(0.99), at(1.0));
+            out.push(format!(
+                "links found instead of exact ones: {}; their f32 cosine is below their memory's weakest exact link by median {gap_median:.4}, p99 {gap_p99:.4}, max {gap_max:.4}",
+                substitute_gaps.len()
+            ));
             extra = format!(
-                " exact_incremental_ms={exact_ms:.1} exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} ratio_vs_exact={:.3} extract_ratio_vs_exact={:.3} link_recall={recall:.4} community_agreement={ari:.4}",
+                " exact_incremental_ms={exact_ms:.1} exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} ratio_vs_exact={:.3} extract_ratio_vs_exact={:.3} link_recall={recall:.4} community_agreement={ari:.4} substitute_gap_p99={gap_p99:.4}",
                 exact_ms / incremental_ms,
                 exact_extract_ms / extract_ms
             );
         } else {
             out.push(format!(
-                "exact f32 kernel over the same states before each batch (no exact writer kept: community agreement not measured): extraction median {exact_extract_ms:.0} ms, {:.2}x {}'s; found {links_found} of its {links} links (recall {recall:.4})",
+                "exact kernel over the same states' rows before each batch (no exact writer kept: community agreement not measured{}): extraction median {exact_extract_ms:.0} ms, {:.2}x {}'s; found {links_found} of its {links} links (recall {recall:.4})",
+                if bf16 {
+                    "; the rows are bf16, so the rounding is not in this recall"
+                } else {
+                    ""
+                },
                 exact_extract_ms / extract_ms,
-                if b.ivf { "the IVF" } else { "int8" },
+                approx,
             ));
             extra = format!(
                 " exact_extract_ms={exact_extract_ms:.1} extract_ms={extract_ms:.1} extract_ratio_vs_exact={:.3} link_recall={recall:.4}",
@@ -611,11 +698,12 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         "exact".to_owned()
     };
     out.push(format!(
-        "RESULT memories={} changed_per_s={:.0} incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1} index={index} precision={}{extra} max_community={largest} cap={} writers={writers} tenants={} writer_rss_mib={rss_mib:.0} peak_rss_mib={peak_mib:.0}",
+        "RESULT memories={} changed_per_s={:.0} incremental_ms={incremental_ms:.1} recompute_ms={recompute_ms:.0} ratio={:.1} index={index} precision={} index_precision={}{extra} max_community={largest} cap={} writers={writers} tenants={} writer_rss_mib={rss_mib:.0} peak_rss_mib={peak_mib:.0}",
         b.memories,
         b.batch as f64 / incremental_ms * 1e3,
         recompute_ms / incremental_ms,
         if b.int8 { "int8" } else { "f32" },
+        b.index_precision.as_str(),
         b.max_community,
         b.tenants.max(1),
     ));
@@ -676,7 +764,7 @@ fn initial_links(
         let mut rows = Vec::with_capacity(members.len() * b.dim);
         for &(id, _) in members {
             if let Some(e) = state.embedding(mid(id)) {
-                rows.extend_from_slice(e);
+                rows.extend_from_slice(&e);
             }
         }
         let corpus = Corpus::from_rows(&rows, b.dim).map_err(internal)?;

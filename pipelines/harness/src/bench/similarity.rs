@@ -129,8 +129,7 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
     ));
     // Spot-check against the scalar reference on a few queries and a corpus slice.
     let sample_rows = b.corpus.min(20_000);
-    let sample =
-        Corpus::from_rows(&corpus.as_slice()[..sample_rows * b.dim], b.dim).map_err(internal)?;
+    let sample = Corpus::from_rows(&corpus.rows(0..sample_rows), b.dim).map_err(internal)?;
     let q4 = &queries[..(4 * b.dim).min(queries.len())];
     let fast = kernel.top_k(q4, &sample, &params).map_err(internal)?;
     let slow = ScalarKernel.top_k(q4, &sample, &params).map_err(internal)?;
@@ -177,7 +176,7 @@ pub fn similarity(b: &SimilarityBench) -> Result<Vec<String>> {
             flops / best8 / 1e9,
             b.k,
             quant.shadow_bytes() as f64 / (1 << 20) as f64,
-            (corpus.as_slice().len() * 4) as f64 / (1 << 20) as f64,
+            corpus.bytes() as f64 / (1 << 20) as f64,
         ));
     }
 

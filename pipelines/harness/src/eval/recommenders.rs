@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use steamrf_kernels::RowPrecision;
 use steamrf_kernels::cpu::CpuKernel;
 use steamrf_operators::fuse::{self, Fit};
 use steamrf_operators::lexical::Bm25Params;
@@ -139,9 +140,9 @@ pub(super) fn steam_state(
 pub(super) fn steam_states(
     users: &[User],
     items: &Items,
-    tau: Option<f32>,
+    (tau, precision): (Option<f32>, RowPrecision),
 ) -> Result<[SteamState; 3]> {
-    let [full, no_mc, no_amu] = ablations(tau);
+    let [full, no_mc, no_amu] = ablations(tau, precision);
     Ok([
         steam_state(users, items, full)?,
         steam_state(users, items, no_mc)?,
@@ -334,11 +335,11 @@ pub(super) fn fit_fused(
     valid: &Sample,
     items: &Items,
     text: &ItemText,
-    (tau, rec): (Option<f32>, RecommendParams),
+    (tau, precision, rec): (Option<f32>, RowPrecision, RecommendParams),
 ) -> Result<Fitted> {
     let learners: Vec<User> = valid.users.iter().chain(&valid.others).cloned().collect();
     // Only the full state: the ablations are table rows, not features.
-    let state = steam_state(&learners, items, ablations(tau)[0])?;
+    let state = steam_state(&learners, items, ablations(tau, precision)[0])?;
     let cf = item_cf(&valid.train);
     let rankers = feature_rankers(&state, items, &cf, text, rec);
     let cands: Vec<Vec<String>> = valid
@@ -407,9 +408,13 @@ pub(super) fn mean_sd(xs: &[f64]) -> (f64, f64) {
 }
 
 /// The paper's ablations as parameters: full, w/o MC, w/o AMU.
-/// With `tau`, one τ for formation and links (the paper uses one τ).
-pub(super) fn ablations(tau: Option<f32>) -> [SteamParams; 3] {
-    let mut full = SteamParams::default();
+/// With `tau`, one τ for formation and links (the paper uses one τ); the
+/// relation index in `precision` (`steam.index_precision`).
+pub(super) fn ablations(tau: Option<f32>, precision: RowPrecision) -> [SteamParams; 3] {
+    let mut full = SteamParams {
+        index_precision: precision,
+        ..SteamParams::default()
+    };
     if let Some(t) = tau {
         full.evolve.tau = t;
         full.link_tau = t;

@@ -38,6 +38,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
+use steamrf_kernels::RowPrecision;
+
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
 use steamrf_operators::fuse::{self, Slate};
@@ -257,12 +259,12 @@ fn simulate_one(
     s: &SimSample,
     items: &Items,
     text: &ItemText,
-    (seed, tau, rec): (u64, Option<f32>, RecommendParams),
+    (seed, tau, precision, rec): (u64, Option<f32>, RowPrecision, RecommendParams),
     bar: &indicatif::ProgressBar,
 ) -> Result<(SeedRun, Fitted)> {
     // STEAM learns from the same interactions as the baselines.
     let learners: Vec<User> = s.users.iter().chain(&s.others).cloned().collect();
-    let states = steam_states(&learners, items, tau)?;
+    let states = steam_states(&learners, items, (tau, precision))?;
     let cf = item_cf(&s.train);
     let knn = user_knn(&s.train);
     let rankers = rankers(&states, items, (&cf, &knn), text, seed, rec);
@@ -654,7 +656,7 @@ pub(super) async fn simulation(e: SteamEval) -> Result<Vec<String>> {
     let bar = super::progress(e.seeds.len() * 10, "methods × seeds");
     let work: Vec<(&SimSample, u64)> = samples.iter().zip(e.seeds.iter().copied()).collect();
     let runs = super::on_threads(&work, |&(s, seed)| {
-        simulate_one(s, &items, &text, (seed, tau, rec), &bar)
+        simulate_one(s, &items, &text, (seed, tau, e.index_precision, rec), &bar)
     })?;
     let mut per_seed = Vec::new();
     let mut fitted = Vec::new();
@@ -798,13 +800,13 @@ fn diversity_one(
     train: &[(String, String)],
     (items, text): (&Items, &ItemText),
     meta: &HashMap<String, (String, String)>,
-    (seed, tau, rec): (u64, Option<f32>, RecommendParams),
+    (seed, tau, precision, rec): (u64, Option<f32>, RowPrecision, RecommendParams),
     bar: &indicatif::ProgressBar,
 ) -> Result<Vec<(&'static str, Vec<f64>)>> {
     // STEAM learns from the same interactions as popularity and item-item
     // CF: the users' histories and every other user's ratings.
     let learners: Vec<User> = users.iter().chain(others).cloned().collect();
-    let states = steam_states(&learners, items, tau)?;
+    let states = steam_states(&learners, items, (tau, precision))?;
     let cf = item_cf(train);
     let knn = user_knn(train);
     let rankers: Vec<(&'static str, Ranker<'_>)> =
@@ -926,7 +928,7 @@ pub(super) async fn diversity(e: SteamEval) -> Result<Vec<String>> {
             train,
             (&items, &text),
             &catalogue.0,
-            (seed, tau, rec),
+            (seed, tau, e.index_precision, rec),
             &bar,
         )
     })?;

@@ -25,6 +25,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
+use steamrf_kernels::RowPrecision;
+
 use rand::seq::SliceRandom;
 use rand::{SeedableRng, rngs::StdRng};
 use steamrf_operators::fuse::Fit;
@@ -107,13 +109,13 @@ fn evaluate(
     text: &ItemText,
     seed: u64,
     fused: Option<&Fitted>,
-    (tau, rec): (Option<f32>, RecommendParams),
+    (tau, precision, rec): (Option<f32>, RowPrecision, RecommendParams),
 ) -> Result<Evaluated> {
     let users = &sample.users;
     // STEAM learns from the same interactions as the baselines: the test
     // users' histories and every other user's.
     let learners: Vec<User> = users.iter().chain(&sample.others).cloned().collect();
-    let states = steam_states(&learners, items, tau)?;
+    let states = steam_states(&learners, items, (tau, precision))?;
     let cf = item_cf(&sample.train);
     let knn = user_knn(&sample.train);
     let rankers = rankers(&states, items, (&cf, &knn), text, seed, rec);
@@ -263,7 +265,7 @@ pub(super) async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let text = item_text(&texts);
     let fitted = match &valid {
         Some(v) => {
-            let f = fit_fused(v, &items, &text, (tau, rec))?;
+            let f = fit_fused(v, &items, &text, (tau, e.index_precision, rec))?;
             let split = if e.subset.starts_with("ml100k") {
                 "each predicting its second-to-last rating; the last is held out of all training data"
             } else {
@@ -317,7 +319,14 @@ pub(super) async fn ranking(e: SteamEval) -> Result<Vec<String>> {
     let mut memories = (0, 0, 0, 0);
     let bar = super::progress(samples.len(), "seeds");
     for (sample, &seed) in samples.iter().zip(&e.seeds) {
-        let (rows, m) = evaluate(sample, &items, &text, seed, fitted.as_ref(), (tau, rec))?;
+        let (rows, m) = evaluate(
+            sample,
+            &items,
+            &text,
+            seed,
+            fitted.as_ref(),
+            (tau, e.index_precision, rec),
+        )?;
         bar.inc(1);
         memories = m;
         names = rows.iter().map(|r| r.0).collect();

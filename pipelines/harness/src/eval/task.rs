@@ -35,6 +35,8 @@ pub struct SteamEval {
     /// each signal's and the fits' validation NDCG@10; no test user is
     /// scored. What STEAM's parameters are chosen with.
     pub fit_only: bool,
+    /// `steam.index_precision` of the STEAM states built.
+    pub index_precision: steamrf_kernels::RowPrecision,
 }
 
 /// Overrides of `recommend`'s neighbours(c) term (`RecommendParams`), for

@@ -233,7 +233,7 @@ fn sessions_carry_their_passage_windows_by_turn_offsets() {
     // A row without windows of its own is still found densely.
     let a = retrieve_until(
         &c.index,
-        c.index.rows().vector(s2),
+        &c.index.rows().vector(s2),
         None,
         &p,
         &HybridParams::default(),

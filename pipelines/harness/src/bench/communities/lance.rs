@@ -74,7 +74,7 @@ fn rows(state: &SteamState, dim: usize) -> Rows {
             if let Some(e) = state.embedding(m.id).filter(|e| e.len() == dim) {
                 r.ids.push(m.id);
                 r.users.push(m.user_id.clone());
-                r.vectors.extend_from_slice(e);
+                r.vectors.extend_from_slice(&e);
             }
         }
     }
