@@ -586,35 +586,49 @@ fn bench(args: &[&str]) -> (String, std::collections::HashMap<String, f64>) {
 }
 
 /// `steamrf bench communities`, small, with two writers over eight
-/// tenants: below `ivf_min_memories` the IVF answers exactly, so every
-/// exact link is found and the communities agree; the RESULT line carries
-/// the keys docs/capacity.md quotes.
+/// tenants: below `ivf_min_memories` the IVF answers exactly, so with f32
+/// index rows every exact link is found and the communities agree; with
+/// the default bf16 rows (against an f32 exact writer) the links it finds
+/// instead are near-ties. The RESULT line carries the keys
+/// docs/capacity.md quotes.
 #[test]
 fn bench_communities_runs_sharded_writers_against_the_exact_ones() {
-    let (text, r) = bench(&[
-        "communities",
-        "--memories",
-        "4000",
-        "--batch",
-        "200",
-        "--batches",
-        "2",
-        "--writers",
-        "2",
-        "--tenants",
-        "8",
-        "--max-community",
-        "50",
-    ]);
+    let run = |precision: &str| {
+        bench(&[
+            "communities",
+            "--memories",
+            "4000",
+            "--batch",
+            "200",
+            "--batches",
+            "2",
+            "--writers",
+            "2",
+            "--tenants",
+            "8",
+            "--max-community",
+            "50",
+            "--index-precision",
+            precision,
+        ])
+    };
+    let (text, r) = run("f32");
     assert_eq!(r["writers"], 2.0, "{text}");
     assert_eq!(r["tenants"], 8.0);
     assert_eq!(r["link_recall"], 1.0, "{text}");
     assert_eq!(r["community_agreement"], 1.0, "{text}");
+    assert_eq!(r["substitute_gap_p99"], 0.0, "{text}");
     assert!(
         r["max_community"] <= 50.0 && r["changed_per_s"] > 0.0,
         "{text}"
     );
     assert!(text.contains("2 writer(s) holding"), "{text}");
+    assert!(text.contains("index_precision=f32"), "{text}");
+    let (text, r) = run("bf16");
+    assert!(text.contains("index_precision=bf16"), "{text}");
+    assert!(r["link_recall"] >= 0.98, "{text}");
+    assert!(r["community_agreement"] >= 0.99, "{text}");
+    assert!(r["substitute_gap_p99"] < 0.005, "{text}");
 }
 
 /// `steamrf bench index`, small: the tiered key index is updated in
