@@ -101,12 +101,11 @@ pub struct Link {
 }
 
 /// A link as a state keeps it, under its source's id: the target and the
-/// cosine in 24 bytes, where a [`Link`] takes 48 (`MemoryId`'s 16-byte
-/// alignment pads it, and the source is already the key). A writer holds
-/// about k1 of them per memory.
+/// cosine in 24 bytes, where a [`Link`] takes 40 (the source is already
+/// the key). A writer holds about k1 of them per memory.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct OutLink {
-    to: [u64; 2],
+    to: MemoryId,
     score: f32,
 }
 
@@ -114,14 +113,14 @@ impl OutLink {
     /// `l` without its source.
     pub(crate) fn new(l: &Link) -> Self {
         Self {
-            to: [l.to.0 as u64, (l.to.0 >> 64) as u64],
+            to: l.to,
             score: l.score,
         }
     }
 
     /// The target.
     pub(crate) fn to(&self) -> MemoryId {
-        MemoryId(u128::from(self.to[0]) | (u128::from(self.to[1]) << 64))
+        self.to
     }
 
     /// The link from `from` it keeps.
@@ -300,6 +299,7 @@ mod tests {
     #[test]
     fn an_out_link_keeps_every_bit_of_its_target_in_24_bytes() {
         assert_eq!(size_of::<OutLink>(), 24);
+        assert_eq!(size_of::<Link>(), 40);
         for to in [
             0,
             1,
