@@ -161,7 +161,7 @@ fn adjusted_rand(pairs: &[(MemoryId, MemoryId)]) -> f64 {
 pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     use rand::Rng;
 
-    let mut out = Vec::new();
+    let mut out = Lines::default();
     let writers = b.writers.max(1);
     let separator = (b.tenants > 0).then_some(':');
     let params = SteamParams {
@@ -707,7 +707,19 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         b.max_community,
         b.tenants.max(1),
     ));
-    Ok(out)
+    Ok(out.0)
+}
+
+/// The report's lines, each also logged as it is known: a run of hours
+/// that is stopped (or runs out of memory) still shows how far it got.
+#[derive(Default)]
+struct Lines(Vec<String>);
+
+impl Lines {
+    fn push(&mut self, line: String) {
+        tracing::info!("bench communities: {line}");
+        self.0.push(line);
+    }
 }
 
 fn state_len(states: &[SteamState]) -> usize {
