@@ -211,7 +211,23 @@ impl Rows {
     fn get(&self, range: std::ops::Range<usize>) -> Cow<'_, [f32]> {
         match self {
             Self::F32(v) => Cow::Borrowed(&v[range]),
-            Self::Bf16(v) => Cow::Owned(v[range].iter().map(|&b| widen(b)).collect()),
+            Self::Bf16(_) => {
+                let mut out = vec![0.0; range.len()];
+                self.copy(range, &mut out);
+                Cow::Owned(out)
+            }
+        }
+    }
+
+    /// Writes values `range` as f32 into `dst` (as long).
+    fn copy(&self, range: std::ops::Range<usize>, dst: &mut [f32]) {
+        match self {
+            Self::F32(v) => dst.copy_from_slice(&v[range]),
+            Self::Bf16(v) => {
+                for (d, &b) in dst.iter_mut().zip(&v[range]) {
+                    *d = widen(b);
+                }
+            }
         }
     }
 
@@ -540,15 +556,7 @@ impl Corpus {
 
     /// Writes row `i` into `dst` (`dim` values) without allocating.
     pub fn copy_row(&self, i: usize, dst: &mut [f32]) {
-        let range = i * self.dim..(i + 1) * self.dim;
-        match &self.data {
-            Rows::F32(v) => dst.copy_from_slice(&v[range]),
-            Rows::Bf16(v) => {
-                for (d, &b) in dst.iter_mut().zip(&v[range]) {
-                    *d = widen(b);
-                }
-            }
-        }
+        self.data.copy(i * self.dim..(i + 1) * self.dim, dst);
     }
 
     /// `dot(q, &self.row(i))` (the same value), without allocating up to

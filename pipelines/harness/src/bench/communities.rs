@@ -228,6 +228,15 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
             (synth.memory(topic), topic)
         }
     };
+    // Initial memory `i` (a sequential id: the bench measures the kernel and
+    // the graph, not the hash, and memory ids are opaque to both), its
+    // writer and topic.
+    let initial_memory = |i: usize, synth: &mut Synth| -> (usize, usize, Memory) {
+        let (e, topic) = draw(synth);
+        let user = user_id(i % users);
+        let w = writer_of(&user);
+        (w, topic, memory(i as u64 + 1, user, topic, e))
+    };
     // Resident memory after each phase of building the writers' state: what
     // each part of the state costs per memory.
     let rss_at_start = rss_bytes("VmRSS:");
@@ -238,17 +247,10 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     // Per writer, per topic: the initial memories, with their users.
     let mut by_topic: Vec<Vec<Vec<(u64, usize)>>> = vec![vec![Vec::new(); topics]; writers];
     let t = Instant::now();
-    // Sequential ids: the bench measures the kernel and the graph, not the
-    // hash (memory ids are opaque to both).
     for i in 0..b.memories {
-        let (e, topic) = draw(&mut synth);
-        let id = i as u64 + 1;
-        let user = user_id(i % users);
-        let w = writer_of(&user);
-        by_topic[w][topic].push((id, i % users));
-        states[w]
-            .restore_memory(memory(id, user, topic, e))
-            .map_err(internal)?;
+        let (w, topic, m) = initial_memory(i, &mut synth);
+        by_topic[w][topic].push((i as u64 + 1, i % users));
+        states[w].restore_memory(m).map_err(internal)?;
     }
     let corpus_kind = match &b.texts {
         Some(_) => format!(
@@ -357,12 +359,8 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
                 .collect();
             let (mut again, _) = new_synth();
             for i in 0..b.memories {
-                let (e, topic) = draw(&mut again);
-                let user = user_id(i % users);
-                let w = writer_of(&user);
-                exact[w]
-                    .restore_memory(memory(i as u64 + 1, user, topic, e))
-                    .map_err(internal)?;
+                let (w, _, m) = initial_memory(i, &mut again);
+                exact[w].restore_memory(m).map_err(internal)?;
             }
             for (x, s) in exact.iter_mut().zip(&states) {
                 for id in (0..b.memories).map(|i| mid(i as u64 + 1)) {
