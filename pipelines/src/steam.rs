@@ -418,6 +418,9 @@ impl SteamStage {
             0
         };
         self.record_sizes();
+        // Loading read every stored memory and link through Arrow batches;
+        // what malloc kept of them goes back before the first batch.
+        crate::alloc::trim();
         tracing::info!(
             memories = self.state.len(),
             communities = self.state.communities().count(),
@@ -482,7 +485,7 @@ impl SteamStage {
                     *members != p.members || (self.llm.is_none() && *c != p.content)
                 }
             })
-            .cloned()
+            .filter_map(|p| self.state.published(p.id))
             .collect();
         if stale.is_empty() {
             return Ok(renamed.len());
@@ -861,10 +864,10 @@ impl SteamStage {
                 link.prototypes_removed.push(id);
             }
             for c in now.into_iter().chain([id]) {
-                if let Some(p) = self.state.prototype(c)
-                    && !link.prototypes.iter().any(|q| q.id == c)
+                if !link.prototypes.iter().any(|q| q.id == c)
+                    && let Some(p) = self.state.published(c)
                 {
-                    link.prototypes.push(p.clone());
+                    link.prototypes.push(p);
                 }
             }
         }

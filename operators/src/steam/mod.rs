@@ -208,7 +208,10 @@ impl SteamState {
     /// returns memories without those (an empty `embedding`: read it with
     /// [`SteamState::embedding`]). Links, communities and prototypes are the
     /// same as a full state's (a test). 1,536 bytes less per memory at 384
-    /// dimensions, plus whatever the text fields held.
+    /// dimensions, plus whatever the text fields held. Its prototypes are
+    /// kept without their embeddings (rebuilt from the community by
+    /// [`SteamState::published`], and handed out in full by
+    /// [`SteamState::link`]): another 1,536 bytes per prototype.
     pub fn lean(mut self) -> Self {
         self.lean = true;
         self
@@ -289,14 +292,32 @@ impl SteamState {
         Some(member(&self.index, m).embedding)
     }
 
-    /// Published prototypes.
+    /// Published prototypes (a [lean](SteamState::lean) state's without
+    /// their embeddings: [`SteamState::published`]).
     pub fn prototypes(&self) -> impl Iterator<Item = &Prototype> {
         self.prototypes.values()
     }
 
-    /// A published prototype.
+    /// A published prototype (a [lean](SteamState::lean) state's without its
+    /// embedding: [`SteamState::published`]).
     pub fn prototype(&self, id: MemoryId) -> Option<&Prototype> {
         self.prototypes.get(&id)
+    }
+
+    /// A published prototype in full, as [`SteamState::link`] published it:
+    /// a lean state rebuilds the embedding from the community it keeps
+    /// (the same digest, so the same vector).
+    pub fn published(&self, id: MemoryId) -> Option<Prototype> {
+        let p = self.prototypes.get(&id)?;
+        if !p.embedding.is_empty() || !self.lean {
+            return Some(p.clone());
+        }
+        let members: Vec<MemoryId> = self.communities.members(id)?.iter().copied().collect();
+        let digest = self.community_digest(id, &members);
+        Some(Prototype {
+            embedding: memory::normalized(digest.sum),
+            ..p.clone()
+        })
     }
 
     /// The communities.
@@ -926,7 +947,21 @@ impl SteamState {
                 members,
                 users: digest.users,
             };
-            self.prototypes.insert(c, p.clone());
+            // A writer's prototype is published once and rebuilt from its
+            // community when asked again (`published`): its embedding is
+            // not kept.
+            let kept = if self.lean {
+                Prototype {
+                    id: p.id,
+                    content: p.content.clone(),
+                    embedding: Vec::new(),
+                    members: p.members.clone(),
+                    users: p.users,
+                }
+            } else {
+                p.clone()
+            };
+            self.prototypes.insert(c, kept);
             out.prototypes.push(p);
         }
     }

@@ -701,8 +701,12 @@ mod tallies {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tolerance)
     }
 
+    /// The published prototypes in full (a lean state rebuilds their
+    /// embeddings).
     fn prototypes(s: &SteamState) -> BTreeMap<MemoryId, Prototype> {
-        s.prototypes().map(|p| (p.id, p.clone())).collect()
+        s.prototypes()
+            .map(|p| (p.id, s.published(p.id).expect("published")))
+            .collect()
     }
 
     proptest! {
@@ -784,11 +788,17 @@ mod tallies {
                                 lean.restore_memory(m.clone()).unwrap();
                             }
                         }
-                        lean.link(&kernel, &changed).unwrap();
+                        let out = lean.link(&kernel, &changed).unwrap();
+                        // Rebuilt, a prototype is the one just published, bit for bit.
+                        for p in &out.prototypes {
+                            prop_assert_eq!(lean.published(p.id), Some(p.clone()));
+                        }
                     }
                 }
                 prop_assert_eq!(lean.communities().partition(), full.communities().partition());
                 prop_assert_eq!(&lean.out_links, &full.out_links);
+                // The writer keeps no prototype vector; it rebuilds it.
+                prop_assert!(lean.prototypes().all(|p| p.embedding.is_empty()));
                 let (a, b) = (prototypes(&lean), prototypes(&full));
                 prop_assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
                 for (p, q) in a.values().zip(b.values()) {
