@@ -23,8 +23,10 @@ pub struct MemoryIndex {
     precision: RowPrecision,
     /// By tenant id.
     parts: Vec<Part>,
-    /// (tenant, row) of each memory.
-    row_of: HashMap<MemoryId, (u32, usize)>,
+    /// (tenant, row) of each memory: 32 bits each, so a map slot with its
+    /// 16-byte id takes 24 bytes (a tenant's part would need 2^32 rows,
+    /// 1.5 TiB of vectors at 384 dimensions, to outgrow it).
+    row_of: HashMap<MemoryId, (u32, u32)>,
     user_ids: HashMap<String, u32>,
     /// Tenant of each owner (indexed by owner id).
     owner_tenant: Vec<u32>,
@@ -211,7 +213,7 @@ impl MemoryIndex {
         };
         let tenant = self.owner_tenant[owner as usize];
         if let Some(&(t, row)) = self.row_of.get(&id) {
-            let part = &mut self.parts[t as usize];
+            let (part, row) = (&mut self.parts[t as usize], row as usize);
             if t == tenant {
                 part.corpus.set_row(row, embedding)?;
                 part.owners[row] = owner;
@@ -222,21 +224,31 @@ impl MemoryIndex {
             part.remove(row);
             self.row_of.remove(&id);
         }
-        let row = self.parts[tenant as usize].insert(id, owner, embedding)?;
-        self.row_of.insert(id, (tenant, row));
+        let part = &mut self.parts[tenant as usize];
+        let row = part.insert(id, owner, embedding)?;
+        let Ok(slot) = u32::try_from(row) else {
+            part.remove(row);
+            return Err(steamrf_kernels::Error::InvalidInput {
+                message: format!(
+                    "a tenant's relation index holds at most {} memories",
+                    u32::MAX
+                ),
+            });
+        };
+        self.row_of.insert(id, (tenant, slot));
         Ok(())
     }
 
     /// Memory `id`'s embedding, if it is indexed.
     pub fn embedding(&self, id: MemoryId) -> Option<Cow<'_, [f32]>> {
         let &(t, row) = self.row_of.get(&id)?;
-        Some(self.parts[t as usize].corpus.row(row))
+        Some(self.parts[t as usize].corpus.row(row as usize))
     }
 
     /// Removes memory `id` (its row is reused later).
     pub fn remove(&mut self, id: MemoryId) {
         if let Some((t, row)) = self.row_of.remove(&id) {
-            self.parts[t as usize].remove(row);
+            self.parts[t as usize].remove(row as usize);
         }
     }
 
@@ -256,7 +268,7 @@ impl MemoryIndex {
         let mut by_tenant: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
         for id in memories {
             if let Some(&(t, row)) = self.row_of.get(id) {
-                by_tenant.entry(t).or_default().push(row);
+                by_tenant.entry(t).or_default().push(row as usize);
             }
         }
         let mut out = Vec::new();
