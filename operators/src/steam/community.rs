@@ -75,60 +75,29 @@ pub struct CommunityDelta {
     pub refused: u64,
 }
 
-/// A memory's neighbours: a sorted `Vec` (a `BTreeSet` allocates a whole
-/// node, ~200 bytes, for the few links most memories have).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Neighbours(Vec<MemoryId>);
-
-impl Neighbours {
-    /// Adds `m`; true if it was not there.
-    fn insert(&mut self, m: MemoryId) -> bool {
-        match self.0.binary_search(&m) {
-            Ok(_) => false,
-            Err(at) => {
-                self.0.insert(at, m);
-                true
-            }
-        }
-    }
-
-    /// Removes `m`; true if it was there.
-    fn remove(&mut self, m: &MemoryId) -> bool {
-        match self.0.binary_search(m) {
-            Ok(at) => {
-                self.0.remove(at);
-                true
-            }
-            Err(_) => false,
-        }
-    }
-
-    fn iter(&self) -> std::slice::Iter<'_, MemoryId> {
-        self.0.iter()
-    }
-}
-
-impl<'a> IntoIterator for &'a Neighbours {
-    type Item = &'a MemoryId;
-    type IntoIter = std::slice::Iter<'a, MemoryId>;
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.iter()
-    }
-}
-
-impl IntoIterator for Neighbours {
-    type Item = MemoryId;
-    type IntoIter = std::vec::IntoIter<MemoryId>;
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.into_iter()
-    }
-}
+/// A label no node has (a free node's).
+const NONE: u32 = u32::MAX;
 
 /// The link graph and its communities.
+///
+/// Each memory in the graph is a dense node number, so what every memory
+/// carries is a `Vec` slot, not a hash-map entry keyed by its 16-byte id:
+/// one map from id to node, then the neighbours (4-byte nodes, sorted by
+/// memory id) and the community label (the node of the member that names
+/// it) by node. A removed memory's node is reused by a later one.
 #[derive(Debug, Clone, Default)]
 pub struct Communities {
-    adj: HashMap<MemoryId, Neighbours>,
-    label: HashMap<MemoryId, MemoryId>,
+    /// Each memory's node.
+    node: HashMap<MemoryId, u32>,
+    /// Each node's memory (a free node keeps its last one until reused).
+    id: Vec<MemoryId>,
+    /// Free nodes.
+    free: Vec<u32>,
+    /// Each node's neighbours, sorted by memory id.
+    adj: Vec<Vec<u32>>,
+    /// Each node's community, as the node of the member whose id names it
+    /// ([`NONE`] for a free node).
+    label: Vec<u32>,
     members: HashMap<MemoryId, BTreeSet<MemoryId>>,
     /// Largest community a merge may make (0: unbounded).
     cap: usize,
@@ -156,7 +125,12 @@ impl Communities {
 
     /// The community of `m`.
     pub fn community_of(&self, m: MemoryId) -> Option<MemoryId> {
-        self.label.get(&m).copied()
+        self.node.get(&m).map(|&n| self.named(n))
+    }
+
+    /// The id of node `n`'s community.
+    fn named(&self, n: u32) -> MemoryId {
+        self.id[self.label[n as usize] as usize]
     }
 
     /// The members of community `c`.
@@ -166,17 +140,20 @@ impl Communities {
 
     /// The direct links of `m`.
     pub fn neighbours(&self, m: MemoryId) -> impl Iterator<Item = MemoryId> + '_ {
-        self.adj.get(&m).into_iter().flatten().copied()
+        self.node
+            .get(&m)
+            .into_iter()
+            .flat_map(|&n| self.adj[n as usize].iter().map(|&x| self.id[x as usize]))
     }
 
     /// Number of memories.
     pub fn len(&self) -> usize {
-        self.adj.len()
+        self.node.len()
     }
 
     /// Whether there are no memories.
     pub fn is_empty(&self) -> bool {
-        self.adj.is_empty()
+        self.node.is_empty()
     }
 
     /// Number of communities (singletons included).
@@ -197,8 +174,14 @@ impl Communities {
     /// The undirected edges, each once as (smaller, larger).
     pub fn edges(&self) -> Vec<(MemoryId, MemoryId)> {
         let mut out = Vec::new();
-        for (&a, ns) in &self.adj {
-            out.extend(ns.iter().filter(|&&b| a < b).map(|&b| (a, b)));
+        for (&a, &n) in &self.node {
+            out.extend(
+                self.adj[n as usize]
+                    .iter()
+                    .map(|&x| self.id[x as usize])
+                    .filter(|&b| a < b)
+                    .map(|b| (a, b)),
+            );
         }
         out.sort_unstable();
         out
@@ -224,45 +207,47 @@ impl Communities {
         cap: usize,
     ) -> Self {
         let mut c = Self::with_cap(cap);
-        for n in nodes {
-            c.adj.entry(n).or_default();
+        for m in nodes {
+            c.add_node(m);
         }
         for (a, b) in edges {
             if a != b {
-                c.adj.entry(a).or_default().insert(b);
-                c.adj.entry(b).or_default().insert(a);
+                let (na, nb) = (c.add_node(a), c.add_node(b));
+                c.link(na, nb);
             }
         }
-        let mut order: Vec<MemoryId> = c.adj.keys().copied().collect();
+        let mut order: Vec<MemoryId> = c.node.keys().copied().collect();
         order.sort_unstable();
+        let order: Vec<u32> = order.iter().map(|m| c.node[m]).collect();
         if cap > 0 {
             c.capped_partition(&order);
             return c;
         }
-        for start in order {
-            if c.label.contains_key(&start) {
+        for &start in &order {
+            if c.label[start as usize] != NONE {
                 continue;
             }
             let mut part = BTreeSet::new();
             let mut queue = VecDeque::from([start]);
-            c.label.insert(start, start);
-            while let Some(m) = queue.pop_front() {
-                part.insert(m);
-                for &n in &c.adj[&m] {
-                    if let std::collections::hash_map::Entry::Vacant(e) = c.label.entry(n) {
-                        e.insert(start);
-                        queue.push_back(n);
+            c.label[start as usize] = start;
+            while let Some(n) = queue.pop_front() {
+                part.insert(c.id[n as usize]);
+                for &x in &c.adj[n as usize] {
+                    if c.label[x as usize] == NONE {
+                        c.label[x as usize] = start;
+                        queue.push_back(x);
                     }
                 }
             }
-            c.members.insert(start, part);
+            c.members.insert(c.id[start as usize], part);
         }
         c
     }
 
     /// Size-capped union-find over the sorted edges (see
-    /// [`Communities::from_graph_capped`]).
-    fn capped_partition(&mut self, order: &[MemoryId]) {
+    /// [`Communities::from_graph_capped`]); `order` holds every node, by
+    /// memory id.
+    fn capped_partition(&mut self, order: &[u32]) {
         fn root(parent: &mut [usize], mut i: usize) -> usize {
             while parent[i] != i {
                 parent[i] = parent[parent[i]];
@@ -270,13 +255,16 @@ impl Communities {
             }
             i
         }
-        let index: HashMap<MemoryId, usize> =
-            order.iter().enumerate().map(|(i, &m)| (m, i)).collect();
+        // Each node's position in `order`.
+        let mut position = vec![0usize; self.id.len()];
+        for (i, &n) in order.iter().enumerate() {
+            position[n as usize] = i;
+        }
         let mut parent: Vec<usize> = (0..order.len()).collect();
         let mut size = vec![1usize; order.len()];
         for (i, &a) in order.iter().enumerate() {
-            for b in &self.adj[&a] {
-                let j = index[b];
+            for &b in &self.adj[a as usize] {
+                let j = position[b as usize];
                 if j <= i {
                     continue;
                 }
@@ -290,22 +278,79 @@ impl Communities {
                 size[keep] += size[fold];
             }
         }
-        for (i, &m) in order.iter().enumerate() {
-            let r = root(&mut parent, i);
-            let id = order[r];
-            self.label.insert(m, id);
-            self.members.entry(id).or_default().insert(m);
+        for (i, &n) in order.iter().enumerate() {
+            let r = order[root(&mut parent, i)];
+            self.label[n as usize] = r;
+            self.members
+                .entry(self.id[r as usize])
+                .or_default()
+                .insert(self.id[n as usize]);
         }
+    }
+
+    /// `m`'s node, given a free one (unlabelled, no neighbours) if it had none.
+    fn add_node(&mut self, m: MemoryId) -> u32 {
+        if let Some(&n) = self.node.get(&m) {
+            return n;
+        }
+        let n = match self.free.pop() {
+            Some(n) => {
+                self.id[n as usize] = m;
+                n
+            }
+            None => {
+                let n = u32::try_from(self.id.len())
+                    .ok()
+                    .filter(|&n| n != NONE)
+                    .expect("a link graph holds fewer than 2^32 - 1 memories");
+                self.id.push(m);
+                self.adj.push(Vec::new());
+                self.label.push(NONE);
+                n
+            }
+        };
+        self.node.insert(m, n);
+        n
+    }
+
+    /// Where `x` belongs in neighbours sorted by memory id.
+    fn slot(&self, of: u32, x: u32) -> Result<usize, usize> {
+        let key = self.id[x as usize];
+        self.adj[of as usize].binary_search_by(|&y| self.id[y as usize].cmp(&key))
+    }
+
+    /// Links nodes `a` and `b`; true if they were not linked.
+    fn link(&mut self, a: u32, b: u32) -> bool {
+        let Err(at) = self.slot(a, b) else {
+            return false;
+        };
+        self.adj[a as usize].insert(at, b);
+        if let Err(at) = self.slot(b, a) {
+            self.adj[b as usize].insert(at, a);
+        }
+        true
+    }
+
+    /// Unlinks nodes `a` and `b`; true if they were linked.
+    fn unlink(&mut self, a: u32, b: u32) -> bool {
+        let Ok(at) = self.slot(a, b) else {
+            return false;
+        };
+        self.adj[a as usize].remove(at);
+        if let Ok(at) = self.slot(b, a) {
+            self.adj[b as usize].remove(at);
+        }
+        true
     }
 
     /// Adds `m` as a community of its own unless it is a node; true if it
     /// was added.
     fn ensure_node(&mut self, m: MemoryId, delta: &mut CommunityDelta) -> bool {
-        if self.adj.contains_key(&m) {
+        if self.node.contains_key(&m) {
             return false;
         }
-        self.adj.insert(m, Neighbours::default());
-        self.label.insert(m, m);
+        let n = self.add_node(m);
+        self.label[n as usize] = n;
         self.members.insert(m, BTreeSet::from([m]));
         delta.changed.insert(m);
         delta.moved.insert(m);
@@ -315,41 +360,42 @@ impl Communities {
     /// Applies one batch: removals first (splits), then additions (merges).
     pub fn apply(&mut self, batch: &GraphBatch) -> CommunityDelta {
         let mut delta = CommunityDelta::default();
-        // Removals: collect the old communities they touch, then re-examine each.
+        // Removals: collect the old communities they touch, then re-examine
+        // each. A removed memory's node is freed only after every split, so
+        // no label still names it when it is reused.
         let mut dirty: BTreeSet<MemoryId> = BTreeSet::new();
         for &(a, b) in &batch.remove_edges {
-            if a == b {
-                continue;
-            }
-            let had = self.adj.get_mut(&a).is_some_and(|s| s.remove(&b));
-            if had {
-                if let Some(s) = self.adj.get_mut(&b) {
-                    s.remove(&a);
-                }
-                if let Some(&c) = self.label.get(&a) {
-                    dirty.insert(c);
-                }
-            }
-        }
-        for &m in &batch.remove_nodes {
-            let Some(ns) = self.adj.remove(&m) else {
+            let (Some(&na), Some(&nb)) = (self.node.get(&a), self.node.get(&b)) else {
                 continue;
             };
-            for n in ns {
-                if let Some(s) = self.adj.get_mut(&n) {
-                    s.remove(&m);
+            if na != nb && self.unlink(na, nb) {
+                dirty.insert(self.named(na));
+            }
+        }
+        let mut freed = Vec::new();
+        for &m in &batch.remove_nodes {
+            let Some(n) = self.node.remove(&m) else {
+                continue;
+            };
+            for x in std::mem::take(&mut self.adj[n as usize]) {
+                if let Ok(at) = self.slot(x, n) {
+                    self.adj[x as usize].remove(at);
                 }
             }
-            if let Some(c) = self.label.remove(&m) {
-                delta.left.entry(m).or_insert(c);
-                if let Some(set) = self.members.get_mut(&c) {
-                    set.remove(&m);
-                }
-                dirty.insert(c);
+            let c = self.named(n);
+            delta.left.entry(m).or_insert(c);
+            if let Some(set) = self.members.get_mut(&c) {
+                set.remove(&m);
             }
+            dirty.insert(c);
+            freed.push(n);
         }
         for c in dirty {
             self.resplit(c, &mut delta);
+        }
+        for n in freed {
+            self.label[n as usize] = NONE;
+            self.free.push(n);
         }
         // Additions. A node new in this batch was in no community before it,
         // whatever it passed through: it leaves none (`left`).
@@ -368,26 +414,21 @@ impl Communities {
             }
             add(self, a, &mut delta);
             add(self, b, &mut delta);
-            let new = self.adj.get_mut(&a).is_some_and(|s| s.insert(b));
-            if !new {
-                continue;
+            if self.link(self.node[&a], self.node[&b]) {
+                self.merge(a, b, &mut delta);
             }
-            if let Some(s) = self.adj.get_mut(&b) {
-                s.insert(a);
-            }
-            self.merge(a, b, &mut delta);
         }
         // A community removed and then re-created under the same id is changed, not removed.
         delta.removed.retain(|c| !self.members.contains_key(c));
         delta.changed.retain(|c| self.members.contains_key(c));
-        delta.moved.retain(|m| self.label.contains_key(m));
+        delta.moved.retain(|m| self.node.contains_key(m));
         delta.left.retain(|m, _| !fresh.contains(m));
         delta
     }
 
     /// Merges the communities of `a` and `b` (just linked), if they differ.
     fn merge(&mut self, a: MemoryId, b: MemoryId, delta: &mut CommunityDelta) {
-        let (ca, cb) = (self.label[&a], self.label[&b]);
+        let (ca, cb) = (self.named(self.node[&a]), self.named(self.node[&b]));
         if ca == cb {
             return;
         }
@@ -403,12 +444,14 @@ impl Communities {
         } else {
             (cb, ca)
         };
+        let keep_node = self.node[&keep];
         let moved = self.members.remove(&fold).unwrap_or_default();
         let mut queue: VecDeque<MemoryId> = moved.iter().copied().collect();
         while let Some(m) = queue.pop_front() {
-            if let Some(old) = self.label.insert(m, keep) {
-                delta.left.entry(m).or_insert(old);
-            }
+            let n = self.node[&m] as usize;
+            let old = self.id[self.label[n] as usize];
+            self.label[n] = keep_node;
+            delta.left.entry(m).or_insert(old);
             delta.relabelled += 1;
             delta.moved.insert(m);
         }
@@ -429,31 +472,41 @@ impl Communities {
         let mut parts = 0u64;
         let mut seen: BTreeSet<MemoryId> = BTreeSet::new();
         for &start in &old {
-            if seen.contains(&start) || !self.adj.contains_key(&start) {
+            let Some(&first) = self.node.get(&start) else {
+                continue;
+            };
+            if seen.contains(&start) {
                 continue;
             }
             let mut part = BTreeSet::new();
-            let mut queue = VecDeque::from([start]);
+            let mut queue = VecDeque::from([first]);
             seen.insert(start);
-            while let Some(m) = queue.pop_front() {
-                part.insert(m);
+            while let Some(n) = queue.pop_front() {
+                part.insert(self.id[n as usize]);
                 // Only links inside the old community: with a cap, a member
                 // may also link to members of other communities.
-                for &n in self.adj.get(&m).into_iter().flatten() {
-                    if old.contains(&n) && seen.insert(n) {
-                        queue.push_back(n);
+                for &x in &self.adj[n as usize] {
+                    let m = self.id[x as usize];
+                    if old.contains(&m) && seen.insert(m) {
+                        queue.push_back(x);
                     }
                 }
             }
             let id = *part.first().unwrap_or(&start);
+            let id_node = self.node[&id];
             for &m in &part {
-                let old = self.label.insert(m, id);
-                if old != Some(id) {
-                    if let Some(old) = old {
+                let n = self.node[&m] as usize;
+                // Before this batch's splits every member was labelled; a
+                // label may name a memory removed in this batch (its node
+                // is not freed yet), which is the community it left.
+                let old = self.id[self.label[n] as usize];
+                if self.label[n] != id_node {
+                    self.label[n] = id_node;
+                    if old != id {
                         delta.left.entry(m).or_insert(old);
+                        delta.relabelled += 1;
+                        delta.moved.insert(m);
                     }
-                    delta.relabelled += 1;
-                    delta.moved.insert(m);
                 }
             }
             self.members.insert(id, part);
@@ -511,12 +564,49 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    impl Communities {
+        /// Each memory's community.
+        fn labels(&self) -> BTreeMap<MemoryId, MemoryId> {
+            self.node
+                .iter()
+                .map(|(&m, &n)| (m, self.named(n)))
+                .collect()
+        }
+    }
+
     fn mid(n: u8) -> MemoryId {
         MemoryId(u128::from(n))
     }
 
     const fn m(n: u128) -> MemoryId {
         MemoryId(n)
+    }
+
+    #[test]
+    fn a_removed_memorys_node_is_reused_and_names_nothing_it_did() {
+        let mut c = Communities::new();
+        c.apply(&GraphBatch {
+            add_edges: vec![(m(1), m(2)), (m(2), m(3))],
+            ..GraphBatch::default()
+        });
+        assert_eq!(c.community_of(m(3)), Some(m(1)));
+        // The community's name goes, and a new memory takes its node in
+        // the same batch.
+        let d = c.apply(&GraphBatch {
+            remove_nodes: vec![m(1)],
+            add_edges: vec![(m(9), m(3))],
+            ..GraphBatch::default()
+        });
+        assert_eq!(c.id.len(), 3, "node reused");
+        assert_eq!(c.community_of(m(1)), None);
+        assert_eq!(c.community_of(m(2)), Some(m(2)));
+        assert_eq!(c.community_of(m(9)), Some(m(2)));
+        assert_eq!(c.neighbours(m(9)).collect::<Vec<_>>(), vec![m(3)]);
+        assert_eq!(c.neighbours(m(2)).collect::<Vec<_>>(), vec![m(3)]);
+        assert_eq!(d.left.get(&m(1)), Some(&m(1)));
+        assert_eq!(d.left.get(&m(2)), Some(&m(1)));
+        assert!(d.removed.contains(&m(1)));
+        assert_eq!(c.edges(), vec![(m(2), m(3)), (m(3), m(9))]);
     }
 
     #[test]
@@ -651,7 +741,7 @@ mod tests {
             for op in &ops {
                 // Remove some existing edges too, so splits happen often.
                 let batch = batch(op, c.edges().into_iter().step_by(3).collect());
-                let before = c.label.clone();
+                let before = c.labels();
                 let delta = c.apply(&batch);
                 // `left` names exactly the memories whose community changed
                 // or that are gone, with their community before the batch.
@@ -667,7 +757,7 @@ mod tests {
                     prop_assert!(before.contains_key(m));
                 }
                 // Every memory with a new community is reported moved.
-                for (m, now) in &c.label {
+                for (m, now) in &c.labels() {
                     if before.get(m) != Some(now) {
                         prop_assert!(delta.moved.contains(m));
                     }
@@ -689,7 +779,7 @@ mod tests {
                         prop_assert_eq!(c.community_of(*m), Some(id));
                     }
                 }
-                let nodes: Vec<MemoryId> = c.adj.keys().copied().collect();
+                let nodes: Vec<MemoryId> = c.node.keys().copied().collect();
                 prop_assert_eq!(c.partition(), partition_from_scratch(nodes.clone(), &c.edges()));
                 prop_assert_eq!(c.partition(), Communities::from_graph(nodes, c.edges()).partition());
             }
@@ -709,7 +799,7 @@ mod tests {
             for op in &ops {
                 removed |= matches!(op, Op::Remove(..));
                 c.apply(&batch(op, Vec::new()));
-                let nodes: Vec<MemoryId> = c.adj.keys().copied().collect();
+                let nodes: Vec<MemoryId> = c.node.keys().copied().collect();
                 let scratch = Communities::from_graph_capped(nodes, c.edges(), cap);
                 for g in [&c, &scratch] {
                     for (id, ms) in g.iter() {
@@ -742,9 +832,7 @@ mod tests {
                 for e in &ops {
                     c.apply(&GraphBatch { add_edges: e.clone(), ..GraphBatch::default() });
                 }
-                let mut labels: Vec<_> = c.label.iter().map(|(a, b)| (*a, *b)).collect();
-                labels.sort_unstable();
-                labels
+                c.labels()
             };
             prop_assert_eq!(run(), run());
         }
