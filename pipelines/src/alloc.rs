@@ -40,3 +40,20 @@ pub fn trim() {
         libc::malloc_trim(0);
     }
 }
+
+/// Bytes the allocator has handed out and not had back (glibc's
+/// `mallinfo2`: small blocks in use plus mmapped ones), for accounting what
+/// a data structure holds apart from what malloc keeps free; `None`
+/// elsewhere.
+pub fn in_use() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        #[allow(unsafe_code)]
+        // SAFETY: mallinfo2 only reads glibc's own counters (under each
+        // arena's lock) and returns them by value.
+        let info = unsafe { libc::mallinfo2() };
+        Some((info.uordblks + info.hblkhd) as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    None
+}

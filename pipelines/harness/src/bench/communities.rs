@@ -237,19 +237,28 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         let w = writer_of(&user);
         (w, topic, memory(i as u64 + 1, user, topic, e))
     };
-    // Resident memory after each phase of building the writers' state: what
-    // each part of the state costs per memory.
-    let rss_at_start = rss_bytes("VmRSS:");
+    // The heap in use after each phase of building the writers' state: what
+    // each part of the state costs per memory, apart from what malloc keeps
+    // free (a phase's temporaries).
+    let heap = || steamrf_pipelines::alloc::in_use().unwrap_or(0);
+    let heap_at_start = heap();
     let mut phases: Vec<(&str, u64)> = Vec::new();
     let mut states: Vec<SteamState> = (0..writers)
         .map(|_| SteamState::new(params, b.dim).lean())
         .collect();
     // Per writer, per topic: the initial memories, with their users.
-    let mut by_topic: Vec<Vec<Vec<(u64, usize)>>> = vec![vec![Vec::new(); topics]; writers];
+    let mut by_topic: Vec<Vec<Vec<(u64, usize)>>> = match b.texts {
+        Some(_) => vec![Vec::new(); writers],
+        None => vec![vec![Vec::new(); topics]; writers],
+    };
     let t = Instant::now();
     for i in 0..b.memories {
         let (w, topic, m) = initial_memory(i, &mut synth);
-        by_topic[w][topic].push((i as u64 + 1, i % users));
+        // Real texts are linked through an index over the whole state; only
+        // synthetic topics are linked topic by topic.
+        if b.texts.is_none() {
+            by_topic[w][topic].push((i as u64 + 1, i % users));
+        }
         states[w].restore_memory(m).map_err(internal)?;
     }
     let corpus_kind = match &b.texts {
@@ -262,7 +271,7 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     };
     phases.push((
         "memories (each with its embedding, kept once in the relation index, and items)",
-        rss_bytes("VmRSS:"),
+        heap(),
     ));
     let held: Vec<usize> = states.iter().map(SteamState::len).collect();
     out.push(format!(
@@ -275,30 +284,9 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         b.dim,
         t.elapsed().as_secs_f64()
     ));
-    let t = Instant::now();
-    let mut initial = String::new();
-    for (w, state) in states.iter_mut().enumerate() {
-        initial = initial_links(b, state, &by_topic[w], &f32_kernel, &bases[w])?;
-    }
-    out.push(format!(
-        "initial links ({initial}): {:.1} s",
-        t.elapsed().as_secs_f64()
-    ));
-    phases.push(("links", rss_bytes("VmRSS:")));
-    let t = Instant::now();
-    let mut published = 0;
-    for state in &mut states {
-        published += state.rebuild().prototypes.len();
-    }
-    let from_scratch_ms = t.elapsed().as_secs_f64() * 1e3;
-    phases.push(("communities, prototypes and tallies", rss_bytes("VmRSS:")));
-    let (largest, median, p99, count) = sizes(&states);
-    out.push(format!(
-        "communities from scratch (cap {}): {from_scratch_ms:.0} ms; {count} communities, sizes median {median}, p99 {p99}, largest {largest}; {published} prototypes published",
-        b.max_community,
-    ));
-
-    // The indexes are built (and the int8 copies made) outside the timed batches.
+    // The indexes are built (and the int8 copies made) outside the timed
+    // batches, and before the initial links, which real texts find with
+    // the writer's own index.
     let t = Instant::now();
     for (state, kernel) in states.iter().zip(&kernels) {
         if let Some(first) = state.user_ids().next().and_then(|u| state.user(u)) {
@@ -316,9 +304,37 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
     let warm_s = t.elapsed().as_secs_f64();
     phases.push((
         "relation index (corpus copy, IVF lists, int8 codes)",
-        rss_bytes("VmRSS:"),
+        heap(),
     ));
-    let mut before = rss_at_start;
+    let t = Instant::now();
+    let mut initial = String::new();
+    for (w, state) in states.iter_mut().enumerate() {
+        initial = initial_links(
+            b,
+            state,
+            &by_topic[w],
+            &f32_kernel,
+            (&kernels[w], &bases[w]),
+        )?;
+    }
+    out.push(format!(
+        "initial links ({initial}): {:.1} s",
+        t.elapsed().as_secs_f64()
+    ));
+    phases.push(("links", heap()));
+    let t = Instant::now();
+    let mut published = 0;
+    for state in &mut states {
+        published += state.rebuild().prototypes.len();
+    }
+    let from_scratch_ms = t.elapsed().as_secs_f64() * 1e3;
+    phases.push(("communities, prototypes and tallies", heap()));
+    let (largest, median, p99, count) = sizes(&states);
+    out.push(format!(
+        "communities from scratch (cap {}): {from_scratch_ms:.0} ms; {count} communities, sizes median {median}, p99 {p99}, largest {largest}; {published} prototypes published",
+        b.max_community,
+    ));
+    let mut before = heap_at_start;
     let parts: Vec<String> = phases
         .iter()
         .map(|&(what, at)| {
@@ -332,14 +348,19 @@ pub fn communities(b: &CommunitiesBench) -> Result<Vec<String>> {
         })
         .collect();
     out.push(format!(
-        "writer state by phase (growth of resident memory, so a phase's temporaries that malloc keeps count in it; {} B per memory is one f32 vector): {}",
+        "writer state by phase (growth of the heap malloc has handed out, a large buffer at its capacity; {} B per memory is one f32 vector): {}",
         b.dim * 4,
         parts.join(", ")
     ));
+    let heap_mib = heap().saturating_sub(heap_at_start) as f64 / (1u64 << 20) as f64;
+    let untrimmed_mib = rss_bytes("VmRSS:") as f64 / (1u64 << 20) as f64;
+    // What malloc keeps free goes back, as `steamrf communities` hands it
+    // back after restoring its state.
+    steamrf_pipelines::alloc::trim();
     let rss_mib = rss_bytes("VmRSS:") as f64 / (1u64 << 20) as f64;
     let vectors_mib = (b.memories * b.dim * 4) as f64 / (1u64 << 20) as f64;
     out.push(format!(
-        "writer state before the batches: {rss_mib:.0} MiB resident, all writers ({vectors_mib:.0} MiB of f32 vectors); indexes built in {warm_s:.1} s"
+        "writer state before the batches: {rss_mib:.0} MiB resident after malloc_trim ({untrimmed_mib:.0} MiB before; the state's heap {heap_mib:.0} MiB), all writers ({vectors_mib:.0} MiB of f32 vectors); indexes built in {warm_s:.1} s"
     ));
     // The exact writers: the same states, linked by the exact f32 kernel.
     // Writers with bf16 rows get exact writers with f32 rows: the same
@@ -727,44 +748,55 @@ fn state_len(states: &[SteamState]) -> usize {
 /// The links before the measured batches, restored into `state`; returns
 /// how they were found. Synthetic topics: exact per topic (cross-topic
 /// cosines are ~0, far below τ, so each memory's global top-k1 lies in its
-/// topic), never to the same user or another tenant. Real texts: by an IVF
-/// probing 32 lists (exhaustive search of 1M memories would take an hour),
-/// so the initial graph is approximate; the batches' links are compared
-/// against the exact kernel all the same.
+/// topic), never to the same user or another tenant. Real texts: by the
+/// writer's own IVF (`kernel`, its index already built), as if the writer
+/// had linked every memory as it came; with the exact index, by an IVF
+/// probing 32 lists (exhaustive search of 1M memories would take an hour).
+/// Either way the initial graph is approximate; the batches' links are
+/// compared against the exact kernel all the same.
 fn initial_links(
     b: &CommunitiesBench,
     state: &mut SteamState,
     by_topic: &[Vec<(u64, usize)>],
     f32_kernel: &Arc<dyn SimilarityKernel>,
-    base: &Arc<dyn SimilarityKernel>,
+    (kernel, base): (&Arc<dyn SimilarityKernel>, &Arc<dyn SimilarityKernel>),
 ) -> Result<String> {
     let params = *state.params();
     if b.texts.is_some() {
-        let ivf = IvfKernel::new(
-            IvfKernelParams {
-                probes: 32,
-                min_rows: 1,
-                ..IvfKernelParams::default()
-            },
-            base.clone(),
-        );
-        let all: Vec<MemoryId> = by_topic
-            .iter()
-            .flatten()
-            .map(|&(id, _)| mid(id))
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
+        let (ivf, how): (Arc<dyn SimilarityKernel>, String) = if b.ivf {
+            (
+                kernel.clone(),
+                format!("the writer's IVF, {} probes", b.probes),
+            )
+        } else {
+            let ivf = IvfKernel::new(
+                IvfKernelParams {
+                    probes: 32,
+                    min_rows: 1,
+                    ..IvfKernelParams::default()
+                },
+                base.clone(),
+            );
+            (Arc::new(ivf), "IVF, 32 probes".to_owned())
+        };
+        let mut all: Vec<MemoryId> = state
+            .user_ids()
+            .filter_map(|u| state.user(u))
+            .flat_map(|u| u.memories.iter().map(|m| m.id))
             .collect();
-        let mut found: HashMap<MemoryId, Vec<Link>> = HashMap::new();
-        for block in all.chunks(8192) {
-            for l in state.link_dry_run(&ivf, block).map_err(internal)? {
+        all.sort_unstable();
+        // Restored block by block: the links found are never held all at
+        // once beside the state (at 10M memories that would be gigabytes).
+        for block in all.chunks(16_384) {
+            let mut found: HashMap<MemoryId, Vec<Link>> = HashMap::new();
+            for l in state.link_dry_run(ivf.as_ref(), block).map_err(internal)? {
                 found.entry(l.from).or_default().push(l);
             }
+            for (from, links) in found {
+                state.restore_links(from, links);
+            }
         }
-        for (from, links) in found {
-            state.restore_links(from, links);
-        }
-        return Ok("IVF, 32 probes".to_owned());
+        return Ok(how);
     }
     let tenants = b.tenants.max(1);
     for members in by_topic {
