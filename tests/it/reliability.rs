@@ -631,6 +631,66 @@ fn bench_communities_runs_sharded_writers_against_the_exact_ones() {
     assert!(r["substitute_gap_p99"] < 0.005, "{text}");
 }
 
+/// `steamrf bench communities --texts`, small: memories mix real MiniLM
+/// vectors of a few topics' sentences, and the initial links come from the
+/// writer's own index (below `ivf_min_memories` it answers exactly, so with
+/// f32 rows every exact link is found and the communities agree).
+#[test]
+fn bench_communities_links_real_texts_through_the_writers_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let topics = [
+        "I went hiking in the mountains with my dog",
+        "We adopted a kitten from the animal shelter",
+        "The new pottery class at the community centre",
+        "My sister is training for a marathon in spring",
+        "I painted a sunset over the lake last weekend",
+    ];
+    let mut lines = String::new();
+    for (i, t) in topics.iter().enumerate() {
+        for j in 0..8 {
+            lines.push_str(&format!("{t}, day {j} of week {i}.\n"));
+        }
+    }
+    let texts = dir.path().join("texts.txt");
+    std::fs::write(&texts, lines).unwrap();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[embed]\nmodel_dir = {:?}\nsparse_model_dir = {:?}\n",
+            model_dir().display().to_string(),
+            sparse_model_dir().display().to_string()
+        ),
+    )
+    .unwrap();
+    let (text, r) = bench(&[
+        "communities",
+        "--memories",
+        "3000",
+        "--batch",
+        "100",
+        "--batches",
+        "2",
+        "--index-precision",
+        "f32",
+        "--texts",
+        texts.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ]);
+    assert!(text.contains("of 40 real texts"), "{text}");
+    assert!(
+        text.contains("initial links (the writer's IVF, 16 probes)"),
+        "{text}"
+    );
+    assert_eq!(r["link_recall"], 1.0, "{text}");
+    assert_eq!(r["community_agreement"], 1.0, "{text}");
+    assert!(
+        r["writer_rss_mib"] > 0.0 && r["changed_per_s"] > 0.0,
+        "{text}"
+    );
+}
+
 /// `steamrf bench index`, small: the tiered key index is updated in
 /// segments, every replayed key is found in both tables (the bench fails
 /// otherwise), and the RESULT line carries the keys docs/capacity.md quotes.
