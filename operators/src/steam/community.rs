@@ -216,9 +216,9 @@ impl Communities {
                 c.link(na, nb);
             }
         }
-        let mut order: Vec<MemoryId> = c.node.keys().copied().collect();
-        order.sort_unstable();
-        let order: Vec<u32> = order.iter().map(|m| c.node[m]).collect();
+        // Every node (none is free yet), by memory id.
+        let mut order: Vec<u32> = c.node.values().copied().collect();
+        order.sort_unstable_by_key(|&n| c.id[n as usize]);
         if cap > 0 {
             c.capped_partition(&order);
             return c;

@@ -771,18 +771,17 @@ impl SteamState {
                 u.memories.shrink_to_fit();
             }
         }
-        let edges: Vec<(MemoryId, MemoryId)> = self
-            .out_links
+        // The old graph goes first, and the edges stream from the links
+        // into the new one: neither is held twice at once.
+        self.communities = Communities::new();
+        let (owner, out_links) = (&self.owner, &self.out_links);
+        let edges = out_links
             .iter()
-            .filter(|(from, _)| self.owner.contains_key(from))
+            .filter(|(from, _)| owner.contains_key(from))
             .flat_map(|(&from, links)| links.iter().map(move |l| (from, l.to())))
-            .filter(|(_, to)| self.owner.contains_key(to))
-            .collect();
-        self.communities = Communities::from_graph_capped(
-            self.owner.keys().copied(),
-            edges,
-            self.params.max_community,
-        );
+            .filter(|(_, to)| owner.contains_key(to));
+        self.communities =
+            Communities::from_graph_capped(owner.keys().copied(), edges, self.params.max_community);
         self.prototypes.clear();
         self.tallies.clear();
         for (c, members) in self.communities.iter() {
