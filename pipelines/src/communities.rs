@@ -225,6 +225,11 @@ async fn run_inner(
                 let keep =
                     |user: &str| assigned.contains(&change_partition(user, partitions, separator));
                 stage.restore(&keep).await?;
+                // Restoring read every stored memory and link through Arrow
+                // batches: what malloc kept of them goes back, as after a batch.
+                if config.batch.release_memory {
+                    crate::alloc::trim();
+                }
             }
             tracing::info!(partitions = ?assigned, memories = stage.state().len(), "Partitions assigned: the state holds their tenants.");
             owned.clone_from(&assigned);

@@ -135,6 +135,10 @@ async fn run_inner(
         )
         .await?;
         stage.restore(&|_| true).await?;
+        // As after a batch: what restoring the state read goes back.
+        if config.batch.release_memory {
+            crate::alloc::trim();
+        }
         Some(stage)
     } else {
         None

@@ -418,9 +418,6 @@ impl SteamStage {
             0
         };
         self.record_sizes();
-        // Loading read every stored memory and link through Arrow batches;
-        // what malloc kept of them goes back before the first batch.
-        crate::alloc::trim();
         tracing::info!(
             memories = self.state.len(),
             communities = self.state.communities().count(),

@@ -496,17 +496,14 @@ impl Communities {
             let id_node = self.node[&id];
             for &m in &part {
                 let n = self.node[&m] as usize;
-                // Before this batch's splits every member was labelled; a
-                // label may name a memory removed in this batch (its node
-                // is not freed yet), which is the community it left.
-                let old = self.id[self.label[n] as usize];
-                if self.label[n] != id_node {
+                let was = self.label[n];
+                if was != id_node {
+                    // `was` may be a memory removed in this batch (its node
+                    // is not freed yet): the community `m` left all the same.
+                    delta.left.entry(m).or_insert(self.id[was as usize]);
                     self.label[n] = id_node;
-                    if old != id {
-                        delta.left.entry(m).or_insert(old);
-                        delta.relabelled += 1;
-                        delta.moved.insert(m);
-                    }
+                    delta.relabelled += 1;
+                    delta.moved.insert(m);
                 }
             }
             self.members.insert(id, part);

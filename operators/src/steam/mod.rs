@@ -312,8 +312,9 @@ impl SteamState {
         if !p.embedding.is_empty() || !self.lean {
             return Some(p.clone());
         }
-        let members: Vec<MemoryId> = self.communities.members(id)?.iter().copied().collect();
-        let digest = self.community_digest(id, &members);
+        // Its members are its community's now: every change to a community
+        // refreshed its prototype.
+        let digest = self.community_digest(id, &p.members);
         Some(Prototype {
             embedding: memory::normalized(digest.sum),
             ..p.clone()
