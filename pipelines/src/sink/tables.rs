@@ -182,6 +182,40 @@ async fn add_null_columns(
     }
 }
 
+/// Opens `name`, creating it empty when it does not exist. Instances that
+/// start together on a fresh store race to create the same table: the loser
+/// sees either `TableAlreadyExists` or a commit conflict from Lance, and in
+/// both cases opens what the winner created. A create that fails while no
+/// table appears is retried a few times, then reported.
+async fn open_or_create_racing(
+    db: &Connection,
+    name: &str,
+    expected: &arrow_schema::SchemaRef,
+) -> Result<Table> {
+    const ATTEMPTS: u32 = 5;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match db.open_table(name).execute().await {
+            Ok(t) => return Ok(t),
+            Err(lancedb::Error::TableNotFound { .. }) => {}
+            Err(e) => return Err(Error::lance(format!("opening {name}"))(e)),
+        }
+        match db
+            .create_empty_table(name, expected.clone())
+            .execute()
+            .await
+        {
+            Ok(t) => return Ok(t),
+            Err(e) if attempt < ATTEMPTS => {
+                tracing::info!(table = name, error = %e, attempt, "Another instance is creating this table; opening theirs.");
+                tokio::time::sleep(std::time::Duration::from_millis(20 << attempt)).await;
+            }
+            Err(e) => return Err(Error::lance(format!("creating {name}"))(e)),
+        }
+    }
+}
+
 /// [`open_or_create`] for any table name and schema.
 ///
 /// # Errors
@@ -191,26 +225,7 @@ pub async fn open_or_create_named(
     name: &str,
     expected: arrow_schema::SchemaRef,
 ) -> Result<Table> {
-    let table = match db.open_table(name).execute().await {
-        Ok(t) => t,
-        Err(lancedb::Error::TableNotFound { .. }) => {
-            match db
-                .create_empty_table(name, expected.clone())
-                .execute()
-                .await
-            {
-                Ok(t) => t,
-                // Another instance created it first.
-                Err(lancedb::Error::TableAlreadyExists { .. }) => db
-                    .open_table(name)
-                    .execute()
-                    .await
-                    .map_err(Error::lance(format!("opening {name}")))?,
-                Err(e) => return Err(Error::lance(format!("creating {name}"))(e)),
-            }
-        }
-        Err(e) => return Err(Error::lance(format!("opening {name}"))(e)),
-    };
+    let table = open_or_create_racing(db, name, &expected).await?;
     let mut actual = table
         .schema()
         .await

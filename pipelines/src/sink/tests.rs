@@ -299,6 +299,36 @@ async fn opening_declares_the_key_the_primary_key_also_on_old_tables() {
     ensure_primary_key(&old, name.key()).await.unwrap();
 }
 
+/// Instances that start together on a fresh store race to create every
+/// table. Each must come up with the table the winner made: the losers see
+/// `TableAlreadyExists` or a Lance commit conflict, never an error that
+/// stops them (CI saw one of three instances die on `creating turn_vectors`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_racing_to_create_a_table_all_open_it() {
+    for round in 0..10 {
+        let dir = tempfile::tempdir().unwrap();
+        let uri = dir.path().to_str().unwrap().to_owned();
+        let name = TableName::Interactions;
+        let openers = (0..6).map(|_| {
+            let uri = uri.clone();
+            tokio::spawn(async move {
+                let db = lancedb::connect(&uri).execute().await.unwrap();
+                open_or_create(&db, name).await.map(|_| ())
+            })
+        });
+        for (i, r) in futures::future::join_all(openers)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            r.unwrap()
+                .unwrap_or_else(|e| panic!("round {round}, instance {i}: {e:#}"));
+        }
+        let db = lancedb::connect(&uri).execute().await.unwrap();
+        assert_eq!(db.table_names().execute().await.unwrap(), [name.as_str()]);
+    }
+}
+
 /// Two writers insert the same new keys at the same moment, round after
 /// round: a batch replayed by the instance that took over a partition
 /// while the one that lost it still writes it (a broker restart makes
