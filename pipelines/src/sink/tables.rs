@@ -208,7 +208,7 @@ async fn open_or_create_racing(
         {
             Ok(t) => return Ok(t),
             Err(e) if attempt < ATTEMPTS => {
-                tracing::info!(table = name, error = %e, attempt, "Another instance is creating this table; opening theirs.");
+                tracing::info!(table = name, error = %e, attempt, "Creating the table failed (another instance may have created it first); opening it again.");
                 tokio::time::sleep(std::time::Duration::from_millis(20 << attempt)).await;
             }
             Err(e) => return Err(Error::lance(format!("creating {name}"))(e)),
