@@ -184,36 +184,31 @@ async fn add_null_columns(
 
 /// Opens `name`, creating it empty when it does not exist. Instances that
 /// start together on a fresh store race to create the same table: the loser
-/// sees either `TableAlreadyExists` or a commit conflict from Lance, and in
-/// both cases opens what the winner created. A create that fails while no
-/// table appears is retried a few times, then reported.
+/// sees either `TableAlreadyExists` or a commit conflict from Lance, both
+/// retryable, and the next try opens what the winner created.
 async fn open_or_create_racing(
     db: &Connection,
     name: &str,
     expected: &arrow_schema::SchemaRef,
 ) -> Result<Table> {
     const ATTEMPTS: u32 = 5;
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match db.open_table(name).execute().await {
-            Ok(t) => return Ok(t),
-            Err(lancedb::Error::TableNotFound { .. }) => {}
-            Err(e) => return Err(Error::lance(format!("opening {name}"))(e)),
-        }
-        match db
-            .create_empty_table(name, expected.clone())
-            .execute()
-            .await
-        {
-            Ok(t) => return Ok(t),
-            Err(e) if attempt < ATTEMPTS => {
-                tracing::info!(table = name, error = %e, attempt, "Creating the table failed (another instance may have created it first); opening it again.");
-                tokio::time::sleep(std::time::Duration::from_millis(20 << attempt)).await;
+    let what = format!("Opening or creating table {name}");
+    crate::error::retry(
+        ATTEMPTS,
+        &what,
+        |_| {},
+        || async {
+            match db.open_table(name).execute().await {
+                Err(lancedb::Error::TableNotFound { .. }) => db
+                    .create_empty_table(name, expected.clone())
+                    .execute()
+                    .await
+                    .map_err(Error::lance(format!("creating {name}"))),
+                r => r.map_err(Error::lance(format!("opening {name}"))),
             }
-            Err(e) => return Err(Error::lance(format!("creating {name}"))(e)),
-        }
-    }
+        },
+    )
+    .await
 }
 
 /// [`open_or_create`] for any table name and schema.
